@@ -1,0 +1,1 @@
+"""draftline: a reproducible pipeline that trains EAGLE-3 draft models."""
