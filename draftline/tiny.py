@@ -1,0 +1,406 @@
+"""Deterministic builders of tiny random HF-format target models.
+
+Every builder writes a complete Hugging Face model directory (float32
+safetensors weights, ``config.json``, ``generation_config.json`` and the
+tokenizer files) that both transformers and vLLM's CPU engine can load.
+Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on
+a corpus made from Python standard-library docstrings, and the weights are
+drawn from a seeded torch generator.
+
+Same arguments -> byte-identical files.  Directories are written to a
+temporary sibling first and then renamed into place, so a reader never sees a
+half-written model and rebuilding an existing directory simply replaces it.
+
+``hf_hidden_states`` runs a built model with transformers and returns its
+``output_hidden_states`` tuple.  Convention (transformers 4.57, both Llama and
+DeepseekV3, via ``utils.generic.check_model_inputs``): with ``L`` decoder
+layers the tuple has ``L + 1`` entries; entry ``k < L`` is the input of
+decoder layer ``k`` (entry 0 = token embeddings, entry ``k`` = output of layer
+``k - 1``), and entry ``L`` is the final hidden state *after* the final
+RMSNorm (the raw output of the last layer is replaced by ``last_hidden_state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "default_corpus",
+    "build_tokenizer",
+    "build_tiny_llama",
+    "build_tiny_deepseek_v3",
+    "hf_hidden_states",
+]
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
+# Order fixes the ids: <|bos|>=0, <|eos|>=1, <|pad|>=2, <|system|>=3,
+# <|user|>=4, <|assistant|>=5, <|end|>=6.
+SPECIAL_TOKENS = [BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, END]
+
+# Renders ``<|bos|><|role|>content<|end|>...`` and, with
+# ``add_generation_prompt``, a trailing ``<|assistant|>``.  Assistant turns are
+# wrapped in ``{% generation %}`` so ``return_assistant_tokens_mask=True`` works.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unsupported role: ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|assistant|>' -}}"
+    "{%- generation -%}{{- message['content'] + '<|end|>' -}}{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+_CORPUS_MODULES = (
+    "argparse",
+    "collections",
+    "functools",
+    "itertools",
+    "json",
+    "os",
+    "pathlib",
+    "re",
+    "string",
+    "textwrap",
+)
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+@contextlib.contextmanager
+def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary sibling of ``out_dir``; on success move it into place.
+
+    An existing ``out_dir`` is replaced.  On error the temporary directory is
+    removed and ``out_dir`` is left untouched.
+    """
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        old = None
+        if out.exists() or out.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "d")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's CPU RNG for the block without disturbing the caller's RNG state."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def default_corpus() -> list[str]:
+    """Deterministic training text: docstrings of a fixed set of stdlib modules.
+
+    Modules and their public members are visited in sorted order; duplicate
+    docstrings are dropped (first occurrence kept).
+    """
+    docs: list[str] = []
+    seen: set[str] = set()
+
+    def add(doc: str | None) -> None:
+        if doc and doc not in seen:
+            seen.add(doc)
+            docs.append(doc)
+
+    for name in sorted(_CORPUS_MODULES):
+        mod = importlib.import_module(name)
+        add(inspect.getdoc(mod))
+        for member in sorted(dir(mod)):
+            if member.startswith("_"):
+                continue
+            obj = getattr(mod, member, None)
+            if obj is None or inspect.ismodule(obj):
+                continue
+            add(inspect.getdoc(obj))
+            if inspect.isclass(obj) and obj.__module__ == mod.__name__:
+                for attr in sorted(vars(obj)):
+                    if attr.startswith("_"):
+                        continue
+                    add(inspect.getdoc(getattr(obj, attr, None)))
+    return docs
+
+
+def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if corpus is None:
+        corpus = default_corpus()
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(SPECIAL_TOKENS) + len(byte_alphabet):
+        raise ValueError(
+            f"vocab_size={vocab_size} is below the {len(SPECIAL_TOKENS) + len(byte_alphabet)} "
+            "special + byte tokens of a byte-level BPE"
+        )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=sorted(byte_alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    # Plain encodes (add_special_tokens=True) start with <|bos|>, like Llama.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A $B:1",
+        special_tokens=[(BOS, bos_id)],
+    )
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _write_generation_config(model, tokenizer) -> None:
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END)],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+# --------------------------------------------------------------------------
+# public builders
+
+
+def build_tokenizer(out_dir, corpus: list[str] | None = None, vocab_size: int = 512):
+    """Train a byte-level BPE in-process and save it (HF format) to ``out_dir``.
+
+    Special tokens (ids 0-6): ``<|bos|> <|eos|> <|pad|> <|system|> <|user|>
+    <|assistant|> <|end|>``.  Encoding with special tokens prepends ``<|bos|>``.
+    The chat template renders ``<|bos|><|role|>content<|end|>...`` (roles
+    system/user/assistant) plus ``<|assistant|>`` for ``add_generation_prompt``.
+    ``corpus=None`` uses :func:`default_corpus`.  Returns the
+    ``PreTrainedTokenizerFast`` loaded back from ``out_dir``.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    with _atomic_dir(out_dir) as tmp:
+        _write_tokenizer(tmp, corpus, vocab_size)
+    return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+
+
+def build_tiny_llama(
+    out_dir,
+    *,
+    hidden_size: int = 256,
+    num_layers: int = 6,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    initializer_range: float = 0.02,
+    seed: int = 0,
+) -> Path:
+    """Write a random float32 ``LlamaForCausalLM`` plus tokenizer to ``out_dir``.
+
+    head_dim = hidden_size // num_heads (64 by default; vLLM's CPU attention
+    accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256).  Untied embeddings,
+    no rope scaling.  Returns ``out_dir`` as an absolute Path.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    with _atomic_dir(out_dir) as tmp:
+        tok = _write_tokenizer(tmp, None, vocab_size)
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            hidden_act="silu",
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=initializer_range,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            dtype="float32",
+            architectures=["LlamaForCausalLM"],
+        )
+        with _seeded(seed):
+            model = LlamaForCausalLM(config).to(torch.float32).eval()
+        _write_generation_config(model, tok)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    return Path(out_dir).absolute()
+
+
+def build_tiny_deepseek_v3(
+    out_dir,
+    *,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    first_k_dense_replace: int = 1,
+    n_routed_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    n_shared_experts: int = 1,
+    moe_intermediate_size: int = 128,
+    routed_scaling_factor: float = 2.5,
+    q_lora_rank: int | None = 64,
+    kv_lora_rank: int = 64,
+    qk_nope_head_dim: int = 32,
+    qk_rope_head_dim: int = 32,
+    v_head_dim: int = 64,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    initializer_range: float = 0.02,
+    seed: int = 0,
+) -> Path:
+    """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer.
+
+    Layers ``< first_k_dense_replace`` use a dense MLP, the rest are MoE
+    (sigmoid routing with ``topk_method="noaux_tc"``, n_group = topk_group = 1).
+    Every MoE layer carries ``model.layers.N.mlp.gate.e_score_correction_bias``
+    (small random values so the bias path is exercised).  For vLLM on CPU run
+    with ``VLLM_MLA_DISABLE=1``: attention is then materialised with head size
+    ``qk_nope_head_dim + qk_rope_head_dim`` (64 by default) and
+    ``v_head_dim <= that``.  No rope scaling; interleaved rope as in DeepSeek-V3.
+    Returns ``out_dir`` as an absolute Path.
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if v_head_dim > qk_nope_head_dim + qk_rope_head_dim:
+        raise ValueError("vLLM pads v to the qk head dim, so v_head_dim must not exceed it")
+    with _atomic_dir(out_dir) as tmp:
+        tok = _write_tokenizer(tmp, None, vocab_size)
+        config = DeepseekV3Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            moe_intermediate_size=moe_intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,  # MLA: one K/V per query head
+            n_shared_experts=n_shared_experts,
+            n_routed_experts=n_routed_experts,
+            routed_scaling_factor=routed_scaling_factor,
+            kv_lora_rank=kv_lora_rank,
+            q_lora_rank=q_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=num_experts_per_tok,
+            first_k_dense_replace=first_k_dense_replace,
+            norm_topk_prob=True,
+            hidden_act="silu",
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=initializer_range,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            rope_interleave=True,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            dtype="float32",
+            architectures=["DeepseekV3ForCausalLM"],
+            # Read by vLLM's deepseek_v2 loader (HF's modeling ignores them):
+            # noaux_tc creates the gate.e_score_correction_bias parameter,
+            # scoring_func defaults to softmax there but DeepSeek-V3 is sigmoid.
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            moe_layer_freq=1,
+            num_nextn_predict_layers=0,
+        )
+        with _seeded(seed):
+            model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+            with torch.no_grad():
+                for layer in model.model.layers[first_k_dense_replace:]:
+                    bias = layer.mlp.gate.e_score_correction_bias
+                    bias.copy_(torch.randn(bias.shape) * initializer_range)
+        _write_generation_config(model, tok)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    return Path(out_dir).absolute()
+
+
+# --------------------------------------------------------------------------
+# reference hidden states
+
+
+def hf_hidden_states(model_dir, token_ids: list[int]):
+    """Run ``model_dir`` with transformers (float32, CPU, eager attention).
+
+    Returns ``output_hidden_states`` for the single sequence ``token_ids`` as a
+    tuple of ``num_layers + 1`` float32 tensors of shape ``[len(token_ids),
+    hidden_size]`` (batch dimension removed).  Entry ``k < num_layers`` is the
+    input of decoder layer ``k`` (entry 0 = embeddings); entry ``num_layers`` is
+    the final hidden state after the final norm (what ``lm_head`` consumes).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager", device_map=None
+    ).eval()
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return tuple(h[0].detach().clone() for h in out.hidden_states)
