@@ -1,0 +1,163 @@
+"""The patched speculators generator on the real vLLM CPU engine, checked against HF.
+
+Convention under test (patches/0002): for aux id i the captured row is the input of decoder
+layer i, which is transformers' ``hidden_states[i]``; the last slot is the final hidden state
+after the final norm, which is transformers' ``hidden_states[num_layers]``.
+"""
+
+import os
+
+import pytest
+import torch
+
+from draftline import tiny
+
+pytestmark = pytest.mark.vllm
+
+NUM_LLAMA_LAYERS = 6
+LLAMA_AUX_IDS = [2, 3, 4]  # vLLM's default (2, n//2, n-3) for n = 6
+NUM_DSV3_LAYERS = 4
+DSV3_AUX_IDS = [1, 2, 3]  # layer 0 is dense, 1..3 are MoE
+# Six prompts for three sequence slots and a 64-token budget: queueing and chunked prefill.
+PROMPT_LENGTHS = (191, 7, 40, 130, 64, 1)
+MAX_NUM_SEQS = 3
+TOKEN_BUDGET = 64
+
+
+@pytest.fixture(scope="module")
+def cpu_engine_env():
+    """Small KV cache for the CPU engine; DeepseekV3 needs MLA off on CPU."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_MLA_DISABLE")}
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
+    os.environ["VLLM_MLA_DISABLE"] = "1"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(7, vocab_size, (n,), generator=generator).tolist()
+        for n in PROMPT_LENGTHS
+    ]
+
+
+def _make_generator(model_dir, layer_ids):
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    return VllmHiddenStatesGenerator(
+        str(model_dir),
+        layer_ids=layer_ids,
+        max_model_len=512,
+        dtype="float32",  # compare with HF in float32 ("auto" would downcast to bf16)
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=TOKEN_BUDGET,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, cpu_engine_env):
+    model_dir = tiny.build_tiny_llama(
+        tmp_path_factory.mktemp("llama") / "model", num_layers=NUM_LLAMA_LAYERS
+    )
+    generator = _make_generator(model_dir, LLAMA_AUX_IDS)
+    yield model_dir, generator
+    generator.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, cpu_engine_env):
+    model_dir = tiny.build_tiny_deepseek_v3(
+        tmp_path_factory.mktemp("dsv3") / "model", num_layers=NUM_DSV3_LAYERS
+    )
+    generator = _make_generator(model_dir, DSV3_AUX_IDS)
+    yield model_dir, generator
+    generator.shutdown()
+
+
+def _slot_differences(model_dir, aux_ids, num_layers, prompts, results):
+    """Max abs difference per slot (aux ids..., final) over all prompts."""
+    worst = [0.0] * (len(aux_ids) + 1)
+    for prompt, result in zip(prompts, results):
+        reference = tiny.hf_hidden_states(model_dir, prompt)
+        expected = [reference[i] for i in aux_ids] + [reference[num_layers]]
+        for slot, (got, want) in enumerate(zip(result["hidden_states"], expected)):
+            assert got.shape == want.shape, (slot, got.shape, want.shape)
+            worst[slot] = max(worst[slot], (got.float() - want).abs().max().item())
+    return worst
+
+
+def _report(capsys, family, aux_ids, worst):
+    names = [f"input of layer {i}" for i in aux_ids] + ["final (post-norm)"]
+    with capsys.disabled():
+        print(f"\n[{family}] max |vLLM - HF| per slot, float32:")
+        for name, value in zip(names, worst):
+            print(f"  {name:>20}: {value:.3e}")
+
+
+def test_llama_slots_match_hf(llama, capsys):
+    model_dir, generator = llama
+    prompts = _prompts(512)
+    results = generator.generate(prompts)
+
+    assert [r["input_ids"].tolist() for r in results] == prompts  # input order kept
+    for prompt, result in zip(prompts, results):
+        assert all(h.shape[0] == len(prompt) for h in result["hidden_states"])
+    worst = _slot_differences(model_dir, LLAMA_AUX_IDS, NUM_LLAMA_LAYERS, prompts, results)
+    _report(capsys, "llama", LLAMA_AUX_IDS, worst)
+    assert max(worst) < 1e-4, worst
+
+
+def test_llama_output_of_layer_is_not_what_we_capture(llama):
+    """Guards the convention: the aux slot must differ from the output of the same layer."""
+    model_dir, generator = llama
+    prompt = _prompts(512)[2]
+    result = generator.generate([prompt])[0]
+    reference = tiny.hf_hidden_states(model_dir, prompt)
+    for slot, layer_id in enumerate(LLAMA_AUX_IDS):
+        off_by_one = (result["hidden_states"][slot] - reference[layer_id + 1]).abs().max()
+        assert off_by_one > 1e-2, (layer_id, off_by_one)
+
+
+def test_batch_matches_single_with_chunked_prefill(llama):
+    _, generator = llama
+    prompts = _prompts(512)
+    batch = generator.generate(prompts)
+    for index in (0, 3, 5):  # 191 tokens (three chunks), 130 tokens, 1 token
+        single = generator.generate([prompts[index]])[0]
+        for got, want in zip(batch[index]["hidden_states"], single["hidden_states"]):
+            assert got.shape == want.shape
+            assert (got - want).abs().max().item() < 1e-5
+
+
+def test_worker_error_reaches_driver_with_traceback(llama):
+    _, generator = llama
+    out_of_vocab = 10_000  # the tiny vocabulary has 512 ids: the embedding lookup fails
+    with pytest.raises(RuntimeError) as failure:
+        generator.generate([[5, 6, 7], [5, out_of_vocab, 3]])
+    message = str(failure.value)
+    assert "IndexError" in message
+    assert "Traceback (most recent call last)" in message
+    assert "embed_input_ids" in message  # a frame from inside the worker's forward pass
+    # The failed batch was dropped; the engine keeps working.
+    assert generator.generate([[5, 6, 7, 8]])[0]["hidden_states"][0].shape[0] == 4
+
+
+def test_overlong_prompt_is_refused_not_truncated(llama):
+    _, generator = llama
+    with pytest.raises(ValueError, match="longer than 511 tokens"):
+        generator.generate([[5] * 512])
+
+
+def test_deepseek_v3_slots_match_hf(deepseek, capsys):
+    model_dir, generator = deepseek
+    prompts = _prompts(512)
+    results = generator.generate(prompts)
+    assert [r["input_ids"].tolist() for r in results] == prompts
+    worst = _slot_differences(model_dir, DSV3_AUX_IDS, NUM_DSV3_LAYERS, prompts, results)
+    _report(capsys, "deepseek_v3 (MLA disabled, MoE)", DSV3_AUX_IDS, worst)
+    assert max(worst) < 1e-3, worst
