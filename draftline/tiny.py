@@ -307,6 +307,7 @@ def build_tiny_deepseek_v3(
     vocab_size: int = 512,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
+    vllm_cpu_rope_workaround: bool = True,
     seed: int = 0,
 ) -> Path:
     """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer.
@@ -317,7 +318,17 @@ def build_tiny_deepseek_v3(
     (small random values so the bias path is exercised).  For vLLM on CPU run
     with ``VLLM_MLA_DISABLE=1``: attention is then materialised with head size
     ``qk_nope_head_dim + qk_rope_head_dim`` (64 by default) and
-    ``v_head_dim <= that``.  No rope scaling; interleaved rope as in DeepSeek-V3.
+    ``v_head_dim <= that``.  Interleaved rope as in DeepSeek-V3.
+
+    ``vllm_cpu_rope_workaround`` (default True) writes a numerically neutral
+    YaRN ``rope_scaling`` (factor 1.0, mscale 1.0: same frequencies and
+    attention scale as no scaling, in HF and in vLLM).  Reason: with
+    ``rope_scaling=None`` vLLM 0.16 on CPU applies the plain ``RotaryEmbedding``
+    through its C++ CPU kernel, which mis-indexes the 3-D ``[tokens, heads,
+    rope_dim]`` query slice of DeepseekV2Attention; its logprobs then differ
+    from HF by ~1e-2.  A ``yarn`` rope makes vLLM use
+    ``DeepseekScalingRotaryEmbedding``, which runs in plain torch on CPU and
+    matches HF to ~1e-6.  The weights do not depend on this flag.
     Returns ``out_dir`` as an absolute Path.
     """
     import torch
@@ -325,6 +336,17 @@ def build_tiny_deepseek_v3(
 
     if v_head_dim > qk_nope_head_dim + qk_rope_head_dim:
         raise ValueError("vLLM pads v to the qk head dim, so v_head_dim must not exceed it")
+    rope_scaling = None
+    if vllm_cpu_rope_workaround:
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": 1.0,
+            "original_max_position_embeddings": max_position_embeddings,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
     with _atomic_dir(out_dir) as tmp:
         tok = _write_tokenizer(tmp, None, vocab_size)
         config = DeepseekV3Config(
@@ -353,7 +375,7 @@ def build_tiny_deepseek_v3(
             initializer_range=initializer_range,
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
-            rope_scaling=None,
+            rope_scaling=rope_scaling,
             rope_interleave=True,
             attention_bias=False,
             tie_word_embeddings=False,
