@@ -15,6 +15,8 @@ STACK ?= cpu#                    which lock `make setup` installs: cpu or gpu
 UV_VERSION ?= 0.13.9#            uv used to build .venv and the locks
 LOCK_DATE ?= 2026-11-28#         locks resolve as of this date (reproducible re-locking)
 PYTEST_ARGS ?=#                  extra pytest arguments, e.g. PYTEST_ARGS="-k patchq"
+EXP ?= tiny#                     experiment: conf/experiment/$(EXP).yaml, outputs in runs/$(EXP)/
+OVERRIDES ?=#                    free Hydra overrides, e.g. OVERRIDES="train.lr=1e-3"
 
 PY := $(VENV)/bin/python
 TOOLS := .tools
@@ -65,6 +67,57 @@ lock-check: | $(UV) ## Fail when a lock no longer matches its inputs
 	  diff -u <(grep -v '^#' requirements/$$l.lock) $$tmp/$$l.lock \
 	    || { echo "requirements/$$l.lock drifted from its inputs: run 'make lock'" >&2; exit 1; }; \
 	done; echo "locks match their inputs"
+
+# ---- pipeline ---------------------------------------------------------------------------
+# Each stage's manifest is its Make target, written last and atomically by the stage. Its
+# prerequisites: the upstream manifest, the stage's code, and its config stamp, which
+# `draftline.status stamp` rewrites only when the stage's resolved config changes.
+export HYDRA_FULL_ERROR := 1
+RUN := runs/$(EXP)
+STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
+COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py
+TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py \
+  draftline/vocab.py draftline/samples.py $(COMMON_CODE)
+EXTRACT_CODE := stages/extract.py draftline/extraction.py draftline/samples.py $(COMMON_CODE)
+PREPARE_CODE := stages/prepare.py draftline/preparation.py $(COMMON_CODE)
+TRAIN_CODE := stages/train.py draftline/training.py $(COMMON_CODE)
+STAMPS := $(foreach s,tokenize extract prepare train,$(RUN)/$(s)/config.json)
+
+.PHONY: FORCE
+$(STAMPS) &: FORCE $(VENV)/.setup-$(STACK)
+	$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
+
+$(RUN)/tokenize/manifest.json: $(RUN)/tokenize/config.json $(TOKENIZE_CODE)
+	$(PY) -m stages.tokenize $(STAGE_ARGS)
+$(RUN)/extract/manifest.json: $(RUN)/tokenize/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)
+	$(PY) -m stages.extract $(STAGE_ARGS)
+$(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)
+	$(PY) -m stages.prepare $(STAGE_ARGS)
+$(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)
+	$(PY) -m stages.train $(STAGE_ARGS)
+
+.PHONY: tokenize extract prepare train all
+tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
+extract: $(RUN)/extract/manifest.json ## Target hidden states via vLLM into safetensors shards
+prepare: $(RUN)/prepare/manifest.json ## Train/validation split and the trainer's index
+train: $(RUN)/train/manifest.json ## Train the EAGLE-3 draft with speculators
+all: train ## Every stage, rerunning only stale ones
+
+.PHONY: status
+status: $(STAMPS) ## Say which stages are stale and why
+	@$(PY) -m draftline.status show \
+	  tokenize=$(RUN)/tokenize/manifest.json:$(call deps,$(RUN)/tokenize/config.json $(TOKENIZE_CODE)) \
+	  extract=$(RUN)/extract/manifest.json:$(call deps,$(RUN)/tokenize/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)) \
+	  prepare=$(RUN)/prepare/manifest.json:$(call deps,$(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)) \
+	  train=$(RUN)/train/manifest.json:$(call deps,$(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE))
+comma := ,
+empty :=
+space := $(empty) $(empty)
+deps = $(subst $(space),$(comma),$(strip $(1)))
+
+.PHONY: smoke
+smoke: setup ## Whole pipeline on the embedded tiny run (CPU), from a fresh clone
+	$(MAKE) --no-print-directory all EXP=tiny
 
 # ---- tests ------------------------------------------------------------------------------
 .PHONY: test
