@@ -1,0 +1,47 @@
+"""The real Hydra config: every experiment composes, and stamps change only with config."""
+
+from pathlib import Path
+
+import pytest
+
+from draftline import artifacts, config
+
+EXPERIMENTS = sorted(p.stem for p in (config.CONF_DIR / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_composes(exp):
+    cfg = config.compose(config.experiment_overrides(exp, ["model.path=/models/x", "data.path=/data/x"]))
+    assert cfg.exp == exp and cfg.run_dir == f"runs/{exp}"
+    for stage in config.STAGES:
+        resolved = config.stage_config(cfg, stage)
+        assert resolved["run_dir"] == f"runs/{exp}"
+    assert len(cfg.model.aux_layer_ids) == 3
+    assert all(0 < i < cfg.model.num_layers for i in cfg.model.aux_layer_ids)
+
+
+def test_kimi_uses_vllm_default_layer_ids():
+    cfg = config.compose(config.experiment_overrides("kimi-k2.5", ["model.path=/m", "data.path=/d"]))
+    n = cfg.model.num_layers
+    assert n == 61 and list(cfg.model.aux_layer_ids) == [2, n // 2, n - 3]
+
+
+def test_unknown_experiment_is_named():
+    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+        config.experiment_overrides("nope", [])
+
+
+def test_a_train_key_changes_only_the_train_stamp():
+    base = config.compose(config.experiment_overrides("tiny", []))
+    changed = config.compose(config.experiment_overrides("tiny", ["train.lr=1e-3"]))
+    differs = [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)]
+    assert differs == ["train"]
+
+
+def test_stamp_is_rewritten_only_when_it_changes(tmp_path: Path):
+    stamp = tmp_path / "config.json"
+    assert artifacts.write_stamp(stamp, {"a": 1})
+    before = stamp.stat().st_mtime_ns
+    assert not artifacts.write_stamp(stamp, {"a": 1})
+    assert stamp.stat().st_mtime_ns == before
+    assert artifacts.write_stamp(stamp, {"a": 2})
