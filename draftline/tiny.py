@@ -7,9 +7,11 @@ Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on
 a corpus made from Python standard-library docstrings, and the weights are
 drawn from a seeded torch generator.
 
-Same arguments -> byte-identical files.  Directories are written to a
-temporary sibling first and then renamed into place, so a reader never sees a
-half-written model and rebuilding an existing directory simply replaces it.
+Same arguments -> byte-identical files (for a fixed Python / torch /
+transformers / tokenizers stack: the corpus is stdlib docstrings and
+``config.json`` records the transformers version).  Directories are written to
+a temporary sibling first and then renamed into place, so a reader never sees
+a half-written model and rebuilding an existing directory replaces it.
 
 ``hf_hidden_states`` runs a built model with transformers and returns its
 ``output_hidden_states`` tuple.  Convention (transformers 4.57, both Llama and
@@ -39,6 +41,7 @@ __all__ = [
     "build_tiny_llama",
     "build_tiny_deepseek_v3",
     "hf_hidden_states",
+    "load_hf_model",
 ]
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -153,9 +156,9 @@ def default_corpus() -> list[str]:
     return docs
 
 
-def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int):
+def _train_bpe(corpus: list[str] | None, vocab_size: int):
+    """Train the byte-level BPE (a ``tokenizers.Tokenizer``); deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     if corpus is None:
         corpus = default_corpus()
@@ -177,14 +180,19 @@ def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
     # Plain encodes (add_special_tokens=True) start with <|bos|>, like Llama.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A",
         pair=f"{BOS} $A $B:1",
-        special_tokens=[(BOS, bos_id)],
+        special_tokens=[(BOS, tok.token_to_id(BOS))],
     )
+    return tok
 
+
+def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(corpus, vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -220,7 +228,8 @@ def build_tokenizer(out_dir, corpus: list[str] | None = None, vocab_size: int = 
     <|assistant|> <|end|>``.  Encoding with special tokens prepends ``<|bos|>``.
     The chat template renders ``<|bos|><|role|>content<|end|>...`` (roles
     system/user/assistant) plus ``<|assistant|>`` for ``add_generation_prompt``.
-    ``corpus=None`` uses :func:`default_corpus`.  Returns the
+    ``corpus=None`` uses :func:`default_corpus` (which reaches ``vocab_size``
+    512); a small custom corpus may yield fewer tokens.  Returns the
     ``PreTrainedTokenizerFast`` loaded back from ``out_dir``.
     """
     from transformers import PreTrainedTokenizerFast
@@ -307,7 +316,7 @@ def build_tiny_deepseek_v3(
     vocab_size: int = 512,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
-    vllm_cpu_rope_workaround: bool = True,
+    vllm_cpu_rope_workaround: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer.
@@ -320,15 +329,16 @@ def build_tiny_deepseek_v3(
     ``qk_nope_head_dim + qk_rope_head_dim`` (64 by default) and
     ``v_head_dim <= that``.  Interleaved rope as in DeepSeek-V3.
 
-    ``vllm_cpu_rope_workaround`` (default True) writes a numerically neutral
-    YaRN ``rope_scaling`` (factor 1.0, mscale 1.0: same frequencies and
-    attention scale as no scaling, in HF and in vLLM).  Reason: with
-    ``rope_scaling=None`` vLLM 0.16 on CPU applies the plain ``RotaryEmbedding``
-    through its C++ CPU kernel, which mis-indexes the 3-D ``[tokens, heads,
-    rope_dim]`` query slice of DeepseekV2Attention; its logprobs then differ
-    from HF by ~1e-2.  A ``yarn`` rope makes vLLM use
-    ``DeepseekScalingRotaryEmbedding``, which runs in plain torch on CPU and
-    matches HF to ~1e-6.  The weights do not depend on this flag.
+    Rope: ``rope_scaling=None`` by default.  vLLM 0.16 on CPU then applies the
+    plain ``RotaryEmbedding`` through its C++ CPU kernel, which mis-indexes the
+    3-D ``[tokens, heads, rope_dim]`` query slice of DeepseekV2Attention (MLA
+    disabled), so vLLM drifts from HF (~1e-2 in logprobs) unless the engine
+    is built with ``compilation_config={"custom_ops": ["all",
+    "-rotary_embedding"]}`` (torch rope; matches HF to ~1e-6).
+    ``vllm_cpu_rope_workaround=True`` instead writes a numerically neutral YaRN
+    ``rope_scaling`` (factor 1.0, mscale 1.0: identical HF outputs), which
+    makes vLLM use ``DeepseekScalingRotaryEmbedding`` (plain torch on CPU) and
+    match HF with no engine option.  The weights do not depend on this flag.
     Returns ``out_dir`` as an absolute Path.
     """
     import torch
@@ -407,22 +417,34 @@ def build_tiny_deepseek_v3(
 # reference hidden states
 
 
-def hf_hidden_states(model_dir, token_ids: list[int]):
-    """Run ``model_dir`` with transformers (float32, CPU, eager attention).
+def hf_hidden_states(model_dir, token_ids: list[int]) -> tuple:
+    """Run a model with transformers (float32, CPU, eager attention).
 
+    ``model_dir`` is a model directory (loaded here) or an already loaded HF
+    causal LM (used as is; pass one to avoid reloading for many sequences).
     Returns ``output_hidden_states`` for the single sequence ``token_ids`` as a
     tuple of ``num_layers + 1`` float32 tensors of shape ``[len(token_ids),
     hidden_size]`` (batch dimension removed).  Entry ``k < num_layers`` is the
-    input of decoder layer ``k`` (entry 0 = embeddings); entry ``num_layers`` is
-    the final hidden state after the final norm (what ``lm_head`` consumes).
+    input of decoder layer ``k`` (entry 0 = token embeddings); entry
+    ``num_layers`` is the final hidden state after the final norm (what
+    ``lm_head`` consumes), not the raw output of the last layer.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager", device_map=None
-    ).eval()
+    model = model_dir
+    if not isinstance(model, torch.nn.Module):
+        model = load_hf_model(model_dir)
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     return tuple(h[0].detach().clone() for h in out.hidden_states)
+
+
+def load_hf_model(model_dir):
+    """Load ``model_dir`` with transformers: float32, CPU, eager attention, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager", device_map=None
+    ).eval()

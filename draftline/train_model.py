@@ -1,0 +1,293 @@
+"""The EAGLE-3 draft: speculators' ``Eagle3DraftModel`` built against a real verifier.
+
+What is speculators' and what is ours:
+
+* config classes (``Eagle3SpeculatorConfig``, ``SpeculatorsConfig``, ``VerifierConfig``,
+  ``GreedyTokenProposalConfig``), the model, its forward/loss/metrics and its
+  ``save_pretrained`` format are speculators' own.
+* Ours: reading the verifier (``text_config`` of multimodal wrappers, tensor names found by
+  suffix so ``language_model.``-prefixed checkpoints such as Kimi-K2.5 work) -- speculators
+  0.3.0 hard-codes ``model.embed_tokens.weight``/``lm_head.weight`` and ``AutoConfig`` of the
+  verifier, which needs remote code for Kimi.  That one step is overridden below.
+* A dense-mask SDPA attention kernel for CPU runs (see ``register_dense_attention``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3DraftModel as _SpeculatorsEagle3DraftModel
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from transformers import LlamaConfig
+from transformers.modeling_utils import AttentionInterface
+
+from draftline.extraction import check_layer_ids, read_target_shape
+
+__all__ = [
+    "Eagle3DraftModel",
+    "VerifierInfo",
+    "read_verifier",
+    "load_verifier_head",
+    "draft_layer_config",
+    "build_draft",
+    "register_dense_attention",
+    "set_attention",
+    "check_draft_with_vllm",
+]
+
+FLEX_ATTENTION = "simple_flex_attention"  # registered by speculators.models.eagle3.attention
+DENSE_ATTENTION = "draftline_dense_sdpa"
+NUM_AUX_LAYERS = 3  # speculators' fc is Linear(3 * hidden, hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierInfo:
+    """The verifier as the draft needs it: where, what architecture, its text config."""
+
+    path: Path
+    architectures: list[str]
+    text: dict  # ``text_config`` for multimodal wrappers, else the whole config
+
+
+def read_verifier(verifier_dir: str | Path) -> VerifierInfo:
+    """Parse config.json directly: ``AutoConfig`` would need remote code for Kimi-K2.5."""
+    path = Path(verifier_dir).absolute()
+    config = json.loads((path / "config.json").read_text())
+    architectures = list(config.get("architectures") or [])
+    if not architectures:
+        raise ValueError(f"{path}/config.json names no architectures")
+    return VerifierInfo(path, architectures, config.get("text_config") or config)
+
+
+def _weight_files(verifier_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or by opening every file."""
+    index = verifier_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: verifier_dir / file for name, file in weight_map.items()}
+    names: dict[str, Path] = {}
+    for file in sorted(verifier_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
+    if not names:
+        raise FileNotFoundError(f"no safetensors weights in {verifier_dir}")
+    return names
+
+
+def _shape(file: Path, name: str) -> list[int]:
+    with safe_open(str(file), framework="pt") as handle:
+        return list(handle.get_slice(name).get_shape())
+
+
+def _find_tensor(files: dict[str, Path], suffix: str, shape: list[int]) -> str | None:
+    """The one tensor named ``suffix`` or ``<prefix>.suffix`` with the given shape.
+
+    Shape disambiguates e.g. a vision tower's own ``embed_tokens`` from the language
+    model's; more than one match is an error rather than a guess.
+    """
+    named = [n for n in files if n == suffix or n.endswith("." + suffix)]
+    matching = [n for n in named if _shape(files[n], n) == shape]
+    if len(matching) > 1:
+        raise ValueError(f"ambiguous verifier tensors for {suffix} {shape}: {matching}")
+    return matching[0] if matching else None
+
+
+def _read_tensor(file: Path, name: str) -> torch.Tensor:
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+def load_verifier_head(info: VerifierInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier's input embedding and lm_head weights, each [vocab, hidden]."""
+    shape = [int(info.text["vocab_size"]), int(info.text["hidden_size"])]
+    files = _weight_files(info.path)
+    embed_name = _find_tensor(files, "embed_tokens.weight", shape)
+    if embed_name is None:
+        raise ValueError(f"{info.path}: no '*embed_tokens.weight' of shape {shape}")
+    head_name = _find_tensor(files, "lm_head.weight", shape)
+    if head_name is None:
+        # Tied checkpoints store only the embedding; untied ones must have a head.
+        if info.text.get("tie_word_embeddings", True) is False:
+            raise ValueError(f"{info.path}: untied model without '*lm_head.weight' {shape}")
+        head_name = embed_name
+    return _read_tensor(files[embed_name], embed_name), _read_tensor(files[head_name], head_name)
+
+
+class Eagle3DraftModel(_SpeculatorsEagle3DraftModel):
+    """speculators' ``Eagle3DraftModel`` with the verifier weights found by ``read_verifier``.
+
+    Only ``_setup_embeddings_and_lm_heads`` differs, and only in *where* the weights and the
+    verifier sizes come from; the modules it creates are speculators'.  The class keeps the
+    name ``Eagle3DraftModel`` on purpose: transformers writes ``type(model).__name__`` into
+    config.json's ``architectures``, and the save must look exactly like speculators' own.
+    """
+
+    def _setup_embeddings_and_lm_heads(self, config: VerifierConfig, t2d: torch.Tensor):
+        info = read_verifier(config.name_or_path)
+        vocab, hidden = int(info.text["vocab_size"]), int(info.text["hidden_size"])
+        if hidden != self.hidden_size or t2d.shape[0] != vocab:
+            raise ValueError(f"verifier hidden/vocab {hidden}/{vocab} vs draft hidden "
+                             f"{self.hidden_size}, t2d {t2d.shape[0]}")
+        embed, head = load_verifier_head(info)  # [vocab, hidden] each
+        pad = info.text.get("pad_token_id")
+        self.embed_tokens = torch.nn.Embedding(
+            vocab, hidden, padding_idx=pad if isinstance(pad, int) and 0 <= pad < vocab else None
+        )
+        dtype = self.embed_tokens.weight.dtype
+        self.embed_tokens.load_state_dict({"weight": embed.to(dtype)})
+        self.embed_tokens.weight.requires_grad = False
+        draft_head = head.to(dtype)[t2d.to(torch.bool)]  # [draft_vocab, hidden]
+        self.lm_head = torch.nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        self.verifier_lm_head = torch.nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        self.lm_head.weight.data = draft_head.clone()
+        self.verifier_lm_head.weight.data = draft_head.clone()
+        self.verifier_lm_head.weight.requires_grad = False
+
+
+def _head_dim(text: dict) -> int:
+    """The verifier's head_dim, except for MLA (DeepSeek-V3, Kimi), where it is the rope part."""
+    heads = int(text["num_attention_heads"])
+    if text.get("head_dim") and text.get("kv_lora_rank") is None:
+        return int(text["head_dim"])
+    return int(text["hidden_size"]) // heads
+
+
+def draft_layer_config(text: dict, num_layers: int, intermediate_size: int | None = None,
+                       head_dim: int | None = None,
+                       rope_scaling: dict | None = None) -> LlamaConfig:
+    """Llama decoder config for the draft, sized from the verifier's text config.
+
+    speculators 0.3.0 only has Llama draft layers (and vLLM serves Eagle3 drafts as
+    ``Eagle3LlamaForCausalLM``), whatever the verifier is.  Rope scaling is not copied by
+    default: the draft's rope only has to agree between HF training and vLLM serving, and
+    plain rope is the variant both implement identically (DeepSeek-style YaRN is not).
+    """
+    heads = int(text["num_attention_heads"])
+    config = LlamaConfig(
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        intermediate_size=int(intermediate_size or text["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim or _head_dim(text),
+        hidden_act=text.get("hidden_act", "silu"),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        initializer_range=float(text.get("initializer_range", 0.02)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(text.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = FLEX_ATTENTION  # what speculators' train script sets
+    return config
+
+
+def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: torch.Tensor,
+                t2d: torch.Tensor, num_layers: int = 1, *, intermediate_size: int | None = None,
+                head_dim: int | None = None, num_speculative_tokens: int = 3,
+                norm_before_residual: bool = False,
+                rope_scaling: dict | None = None) -> Eagle3DraftModel:
+    """A fresh float32 draft (CPU) for ``verifier_dir`` with the verifier's embeddings/head.
+
+    ``eagle_aux_hidden_state_layer_ids`` is set explicitly: it is the top-level key vLLM 0.16
+    copies into the draft's hf_config, which then tells the target which layers to tap.
+    The verifier's real ``architectures`` go into ``speculators_config.verifier``.
+    """
+    info = read_verifier(verifier_dir)
+    if len(aux_layer_ids) != NUM_AUX_LAYERS:
+        raise ValueError(f"EAGLE-3 drafts take {NUM_AUX_LAYERS} aux layers, got {aux_layer_ids}")
+    check_layer_ids(list(aux_layer_ids), read_target_shape(info.path))
+    verifier = VerifierConfig(name_or_path=str(info.path), architectures=info.architectures)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=draft_layer_config(
+            info.text, num_layers, intermediate_size, head_dim, rope_scaling),
+        draft_vocab_size=int(d2t.numel()),
+        norm_before_residual=norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_speculative_tokens)],
+            default_proposal_method="greedy",
+            verifier=verifier,
+        ),
+    )
+    return Eagle3DraftModel(config, t2d=t2d.to(torch.bool).clone(), d2t=d2t.to(torch.long).clone())
+
+
+def _dense_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask, scaling: float | None = None,
+                **_kwargs) -> tuple[torch.Tensor, None]:
+    """speculators' attention contract, computed by SDPA on the BlockMask's dense mask.
+
+    query [B, heads, Q, D], key/value [B, kv_heads, KV, D]; returns [B, Q, heads, D].
+    ``attention_mask`` is the BlockMask the model builds; its ``mask_mod`` (document-causal
+    plus the TTT diagonal) is evaluated once on the full [Q, KV] grid by broadcasting.
+    """
+    device = query.device
+    q_idx = torch.arange(query.shape[-2], device=device)[:, None]  # [Q, 1]
+    kv_idx = torch.arange(key.shape[-2], device=device)[None, :]  # [1, KV]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    mask = attention_mask.mask_mod(zero, zero, q_idx, kv_idx)  # [Q, KV] bool
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # [B, heads, Q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_dense_attention() -> str:
+    """Register the dense-mask kernel with transformers; return its name.
+
+    Why: without torch.compile (which fails on CPU here), flex_attention falls back to an
+    unfused path that evaluates ``mask_mod`` through nested vmaps in forward and backward,
+    about 3x slower per step than SDPA on the same mask.  Same numerics up to float error.
+    """
+    AttentionInterface.register(DENSE_ATTENTION, _dense_sdpa)
+    return DENSE_ATTENTION
+
+
+def set_attention(model: _SpeculatorsEagle3DraftModel, kind: str) -> None:
+    """``"flex"`` (speculators' kernel) or ``"sdpa"`` (dense mask); not saved to config.json."""
+    names = {"flex": FLEX_ATTENTION, "sdpa": DENSE_ATTENTION}
+    if kind not in names:
+        raise ValueError(f"attention must be one of {sorted(names)}, got {kind!r}")
+    if kind == "sdpa":
+        register_dense_attention()
+    # The decoder layers read this shared config object on every call.
+    model.config.transformer_layer_config._attn_implementation = names[kind]
+
+
+def check_draft_with_vllm(draft_dir: str | Path, aux_layer_ids: Sequence[int],
+                          draft_vocab_size: int) -> dict:
+    """Parse ``draft_dir`` with vLLM's own config loader and check what it will serve.
+
+    vLLM 0.16 reads a speculators Eagle3 save through ``SpeculatorsConfig``: it starts from
+    ``transformer_layer_config``, sets ``architectures = ["Eagle3LlamaForCausalLM"]`` and
+    copies the top-level ``draft_vocab_size``, ``norm_before_residual``,
+    ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids``.
+    """
+    from vllm.transformers_utils.config import get_config  # heavy import, only here
+
+    config = get_config(str(draft_dir), trust_remote_code=False)
+    seen = {
+        "architectures": list(config.architectures or []),
+        "eagle_aux_hidden_state_layer_ids": list(
+            getattr(config, "eagle_aux_hidden_state_layer_ids", None) or []),
+        "draft_vocab_size": getattr(config, "draft_vocab_size", None),
+    }
+    expected = {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
+        "draft_vocab_size": int(draft_vocab_size),
+    }
+    if seen != expected:
+        raise ValueError(f"vLLM reads {draft_dir} as {seen}, expected {expected}")
+    return seen

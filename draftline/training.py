@@ -1,0 +1,317 @@
+"""Train an EAGLE-3 draft with speculators 0.3.0 on pre-extracted hidden states.
+
+Reused from speculators: the model and its forward (TTT rollout, KL loss, per-step
+accuracies), its config classes and ``save_pretrained`` format, its data alignment
+(``shift_batch``), packing sampler and collate (see ``draftline.train_data``), and the
+optimisation recipe of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip
+1.0).  Not reused: ``Trainer`` itself and its checkpointers -- they move the model to
+``local_rank`` (an int, so CUDA) and load checkpoints with ``map_location="cuda:0"``,
+checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
+CPU runs, mid-epoch resume and exact resume.  The loop below is the same few calls.
+
+CPU: speculators decorates ``Eagle3DraftModel.forward`` with ``@torch.compile``, and inductor
+fails on it on CPU, so CPU runs execute under ``torch.compiler.set_stance("force_eager")``
+(scoped to the forward/backward, documented API, unlike the global
+``torch._dynamo.config.disable``) and use the dense-mask SDPA kernel from
+``draftline.train_model``.
+
+Checkpoints (``out_dir/checkpoints/step-NNNNNNNN/``) hold the trainable weights and the
+optimizer in float32 plus the scheduler and a run spec; each is written to a temporary
+sibling and renamed into place, so a killed run never leaves a checkpoint that looks
+complete.  Resuming replays the same planned batches, so on CPU (same torch thread count) a
+resumed run ends with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import get_linear_schedule_with_warmup
+
+from draftline.artifacts import atomic_dir
+from draftline.train_data import (
+    ShardSampleDataset,
+    load_split,
+    load_vocab_mapping,
+    make_loader,
+    make_sampler,
+    plan_steps,
+    steps_in_epochs,
+)
+from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
+
+__all__ = ["train", "latest_checkpoint", "trainable_state"]
+
+log = logging.getLogger(__name__)
+CHECKPOINTS = "checkpoints"
+STEP_DIR = re.compile(r"step-(\d{8})")
+STATE = "state.json"
+GRAD_CLIP = 1.0  # speculators' Trainer
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters training changes (frozen verifier embeddings/head are rebuilt)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """Newest complete ``step-*`` checkpoint; temporary (dot-prefixed) dirs never match."""
+    root = Path(out_dir) / CHECKPOINTS
+    found = [(int(m.group(1)), p) for p in root.glob("step-*")
+             if (m := STEP_DIR.fullmatch(p.name)) and (p / STATE).exists()]
+    return max(found)[1] if found else None
+
+
+def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, scheduler, state: dict,
+                     keep: int | None) -> Path:
+    path = out_dir / CHECKPOINTS / f"step-{step:08d}"
+    with atomic_dir(path) as tmp:
+        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in trainable_state(model).items()}
+        save_file(weights, str(tmp / "draft.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    _prune_checkpoints(out_dir, keep)
+    return path
+
+
+def _prune_checkpoints(out_dir: Path, keep: int | None) -> None:
+    """Keep the newest ``keep`` checkpoints (Kimi-sized ones are many GiB each)."""
+    if keep is None:
+        return
+    steps = sorted(p for p in (out_dir / CHECKPOINTS).glob("step-*") if STEP_DIR.fullmatch(p.name))
+    for path in steps[:-keep] if keep > 0 else steps:
+        shutil.rmtree(path)
+
+
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """A run killed mid-save leaves a dot-prefixed temporary; it can never be resumed from."""
+    for tmp in (out_dir / CHECKPOINTS).glob(".step-*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     scheduler, device: str) -> dict:
+    weights = load_file(str(path / "draft.safetensors"), device=device)
+    expected = set(trainable_state(model))
+    if set(weights) != expected:
+        raise ValueError(f"{path}: weights {sorted(set(weights) ^ expected)} do not match the draft")
+    model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device,
+                                         weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    return json.loads((path / STATE).read_text())
+
+
+def _resume(out_dir: Path, spec: dict, model, optimizer, scheduler,
+            device: str) -> tuple[int, dict]:
+    """Load the latest checkpoint of the same run; return (step, its last metrics)."""
+    _remove_stale_temporaries(out_dir)
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        return 0, {}
+    saved = json.loads((path / STATE).read_text())["spec"]
+    if saved != spec:
+        changed = sorted(k for k in spec.keys() | saved.keys() if spec.get(k) != saved.get(k))
+        raise ValueError(f"{path} belongs to a different run (changed: {changed}); "
+                         "use a fresh out_dir")
+    state = _load_checkpoint(path, model, optimizer, scheduler, device)
+    log.info("resumed from %s", path)
+    return int(state["step"]), state["metrics"]
+
+
+def _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers: int, ttt_steps: int,
+                 seed: int):
+    # Seeded init without disturbing the caller's RNG; CPU init makes it device-independent.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers,
+                           num_speculative_tokens=ttt_steps)
+
+
+def _total_steps(sampler, steps: int | None, epochs: int | None) -> int:
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps or epochs")
+    total = steps if steps is not None else steps_in_epochs(sampler, epochs)
+    if total < 1:
+        raise ValueError(f"training needs at least one step, got {total}")
+    return total
+
+
+def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int, total_steps: int):
+    """speculators' Trainer recipe: AdamW over trainable params, linear warm-up and decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    return optimizer, scheduler
+
+
+def _forward_mode(model, device: str, compile: bool | None, attention: str):
+    """Pick compile and kernel: compiled flex on CUDA, eager + dense SDPA elsewhere."""
+    if compile is None:
+        compile = device.startswith("cuda")
+    if attention == "auto":
+        attention = "flex" if compile else "sdpa"
+    set_attention(model, attention)
+    if compile:
+        return contextlib.nullcontext
+    return lambda: torch.compiler.set_stance("force_eager")
+
+
+def _to_device(batch: dict, device: str) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class _Meter:
+    """Steps/s, tokens/s and ETA over the steps this process ran (resumed ones excluded)."""
+
+    def __init__(self, first_step: int, total_steps: int):
+        self.first, self.total = first_step, total_steps
+        self.start = time.monotonic()
+        self.tokens = 0
+
+    def rates(self, step: int, tokens: int) -> dict:
+        self.tokens += tokens
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        per_second = (step - self.first) / elapsed
+        return {"steps_per_second": per_second, "tokens_per_second": self.tokens / elapsed,
+                "eta_seconds": (self.total - step) / max(per_second, 1e-9)}
+
+
+def _log_step(step: int, total: int, metrics: dict, lr: float, rates: dict,
+              ttt_steps: int) -> None:
+    per_ttt = " | ".join(
+        f"ttt{k} loss {metrics[f'loss_{k}']:.4f} acc {metrics[f'full_acc_{k}']:.3f} "
+        f"cond {metrics[f'cond_acc_{k}']:.3f}" for k in range(ttt_steps))
+    eta = time.strftime("%H:%M:%S", time.gmtime(rates["eta_seconds"]))
+    log.info("step %d/%d loss %.4f | %s | lr %.2e | %.2f step/s %.0f tok/s | ETA %s",
+             step, total, metrics["loss"], per_ttt, lr, rates["steps_per_second"],
+             rates["tokens_per_second"], eta)
+
+
+def _train_step(model, optimizer, scheduler, batch: dict, forward_mode,
+                ttt_steps: int, decay: float) -> dict:
+    """One optimizer step exactly as speculators' Trainer.train_epoch does it."""
+    with forward_mode():
+        _draft_tokens, loss, metrics = model(**batch, ttt_steps=ttt_steps,
+                                             ttt_step_loss_decay=decay)
+        optimizer.zero_grad()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    optimizer.step()
+    scheduler.step()
+    return {k: v.item() for k, v in metrics.items()}
+
+
+@torch.no_grad()
+def _evaluate(model, loader: Iterable, device: str, forward_mode, ttt_steps: int,
+              decay: float) -> dict:
+    """Mean of speculators' metrics over the validation batches (empty dict if none)."""
+    model.eval()
+    totals: dict[str, float] = {}
+    count = 0
+    for batch in loader:
+        with forward_mode():
+            _tokens, _loss, metrics = model(**_to_device(batch, device), ttt_steps=ttt_steps,
+                                            ttt_step_loss_decay=decay)
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v.item()
+        count += 1
+    model.train()
+    return {k: v / count for k, v in totals.items()}
+
+
+def _save_draft(model, out_dir: Path, save_dtype: str) -> Path:
+    """speculators' save format: config.json + model.safetensors (with d2t/t2d buffers)."""
+    model.to(getattr(torch, save_dtype))  # d2t/t2d are integer/bool buffers: unchanged
+    path = out_dir / "draft"
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(str(tmp))
+    return path
+
+
+def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: str | Path,
+          verifier_dir: str | Path, out_dir: str | Path, aux_layer_ids: Sequence[int], *,
+          steps: int | None = None, epochs: int | None = None, lr: float = 3e-4,
+          warmup_steps: int | None = None, ttt_steps: int = 3,
+          ttt_step_loss_decay: float = 1.0, max_tokens_per_step: int = 512, seed: int = 0,
+          device: str = "cpu", checkpoint_every: int = 100, keep_checkpoints: int | None = 2,
+          num_layers: int = 1, num_workers: int = 0, stop_after: int | None = None,
+          compile: bool | None = None, attention: str = "auto",
+          save_dtype: str = "bfloat16", check_vllm: bool = True) -> dict:
+    """Train (or resume) a draft; write ``out_dir/draft/`` when all steps are done.
+
+    ``stop_after`` ends this process after that global step (with a checkpoint), e.g. for
+    time-sliced jobs; the next call resumes.  ``warmup_steps=None`` is speculators'
+    default (1% of the steps).  Returns metrics: ``steps``, ``completed``, ``final``
+    (speculators' per-TTT-step loss/accuracies of the last step), ``validation``,
+    ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``.
+    """
+    out = Path(out_dir)
+    d2t, t2d = load_vocab_mapping(vocab_mapping)
+    model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
+    train_set = ShardSampleDataset(shards, load_split(split_index, "train"))
+    sampler = make_sampler(train_set.lengths, max_tokens_per_step, seed)
+    total = _total_steps(sampler, steps, epochs)
+    warmup = total // 100 if warmup_steps is None else warmup_steps
+    spec = {
+        "shards": [str(Path(s).absolute()) for s in shards],
+        "split_index": str(Path(split_index).absolute()),
+        "vocab_mapping": str(Path(vocab_mapping).absolute()),
+        "verifier_dir": str(Path(verifier_dir).absolute()),
+        "aux_layer_ids": [int(i) for i in aux_layer_ids], "total_steps": total, "lr": lr,
+        "warmup_steps": warmup, "ttt_steps": ttt_steps, "ttt_step_loss_decay": ttt_step_loss_decay,
+        "max_tokens_per_step": max_tokens_per_step, "seed": seed, "num_layers": num_layers,
+    }
+    model.to(device).train()
+    optimizer, scheduler = _optimizer(model, lr, warmup, total)
+    start, metrics = _resume(out, spec, model, optimizer, scheduler, device)
+    stop = total if stop_after is None else min(total, stop_after)
+    forward_mode = _forward_mode(model, device, compile, attention)
+
+    plan = plan_steps(sampler, start, stop)
+    loader = make_loader(train_set, [batch for _, batch in plan], max_tokens_per_step, num_workers)
+    meter, rates = _Meter(start, total), {}
+    log.info("training steps %d..%d of %d on %s", start + 1, stop, total, device)
+    for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
+        lr_now = optimizer.param_groups[0]["lr"]
+        metrics = _train_step(model, optimizer, scheduler, _to_device(batch, device),
+                              forward_mode, ttt_steps, ttt_step_loss_decay)
+        rates = meter.rates(step, int(batch["lengths"].sum()))
+        _log_step(step, total, metrics, lr_now, rates, ttt_steps)
+        if step % checkpoint_every == 0 or step == stop:
+            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": metrics}
+            _save_checkpoint(out, step, model, optimizer, scheduler, state, keep_checkpoints)
+
+    result = {
+        "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
+        "final": metrics, "tokens_per_second": rates.get("tokens_per_second"),
+        "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
+        "validation": {}, "draft_dir": None, "vllm": None,
+    }
+    if stop < total:
+        return result
+
+    val_rows = load_split(split_index, "validation")
+    if len(val_rows):
+        val_set = ShardSampleDataset(shards, val_rows)
+        val_plan = plan_steps(make_sampler(val_set.lengths, max_tokens_per_step, seed), 0,
+                              len(make_sampler(val_set.lengths, max_tokens_per_step, seed)))
+        val_loader = make_loader(val_set, [b for _, b in val_plan], max_tokens_per_step, num_workers)
+        result["validation"] = _evaluate(model, val_loader, device, forward_mode, ttt_steps,
+                                         ttt_step_loss_decay)
+    draft_dir = _save_draft(model, out, save_dtype)
+    result["draft_dir"] = str(draft_dir)
+    if check_vllm:
+        result["vllm"] = check_draft_with_vllm(draft_dir, aux_layer_ids, int(d2t.numel()))
+    return result

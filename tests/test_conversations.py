@@ -1,0 +1,202 @@
+"""Loading ShareGPT/OpenAI conversations from JSON/JSONL, skip budgets, the default set."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftline.conversations import (
+    DataError,
+    Skipped,
+    default_conversations,
+    load_conversations,
+    write_default_conversations,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi?"},
+        {"from": "gpt", "value": "Hello."},
+        {"from": "user", "value": "And?"},
+        {"from": "assistant", "value": "Bye."},
+    ]
+}
+OPENAI = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+GOOD_LINE = json.dumps(OPENAI)
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------- good input
+
+
+def test_sharegpt_jsonl_roles_are_normalised(tmp_path):
+    path = write_lines(tmp_path / "a.jsonl", [json.dumps(SHAREGPT), "", json.dumps(OPENAI)])
+    conversations, skipped = load_conversations(path, max_skipped=0)
+    assert skipped == []
+    assert [m["role"] for m in conversations[0]] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in conversations[0]][1:3] == ["Hi?", "Hello."]
+    assert conversations[1] == OPENAI["messages"]
+
+
+def test_json_list_and_layout_sniffing_ignore_the_extension(tmp_path):
+    as_list = tmp_path / "list.jsonl"
+    as_list.write_text("\n  " + json.dumps([OPENAI, SHAREGPT], indent=2), encoding="utf-8")
+    as_lines = write_lines(tmp_path / "lines.json", [GOOD_LINE, GOOD_LINE])
+    assert len(load_conversations(as_list)[0]) == 2
+    assert len(load_conversations(as_lines)[0]) == 2
+
+
+# --------------------------------------------------------------------------- bad input, no budget
+
+BAD_RECORDS = {
+    "malformed JSON": '{"messages": [',
+    "unknown role 'tool'": json.dumps({"messages": [{"role": "tool", "content": "x"}]}),
+    "no assistant turn": json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+    "empty text": json.dumps(
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " \n"}]}
+    ),
+    "not an object": json.dumps(["user", "x"]),
+    "exactly one of": json.dumps({"messages": [], "conversations": []}),
+    "not a string": json.dumps({"messages": [{"role": "assistant", "content": ["x"]}]}),
+    "lacks 'from'": json.dumps({"conversations": [{"role": "assistant", "content": "x"}]}),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_RECORDS))
+def test_each_bad_jsonl_record_names_file_and_line(tmp_path, reason):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD_LINE, "", BAD_RECORDS[reason], GOOD_LINE])
+    with pytest.raises(DataError) as info:
+        load_conversations(path, max_skipped=0)
+    message = str(info.value)
+    assert f"{path}:3: " in message and reason in message
+    assert "1 bad record(s)" in message
+
+
+def test_bad_json_list_item_names_its_index(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([OPENAI, OPENAI, {"messages": [{"role": "bot", "content": "x"}]}]))
+    with pytest.raises(DataError, match=r"bad\.json\[2\]: turn 0 has unknown role 'bot'"):
+        load_conversations(path)
+
+
+def test_unparseable_json_list_names_line_and_column(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("[\n" + GOOD_LINE + ",\n  {oops}\n]")
+    with pytest.raises(DataError, match=r"broken\.json:3:4: malformed JSON"):
+        load_conversations(path, max_skipped=10)
+
+
+def test_pretty_printed_object_is_read_as_jsonl_and_rejected(tmp_path):
+    # Only a JSON list is a whole-file dataset; anything else is JSONL, where
+    # an object spread over several lines is malformed line by line.
+    path = tmp_path / "obj.json"
+    path.write_text(json.dumps(OPENAI, indent=1))
+    with pytest.raises(DataError, match=r"obj\.json:1: malformed JSON"):
+        load_conversations(path)
+
+
+def test_non_utf8_line_is_a_bad_record(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b"\n" + '{"x": "caf\xe9"}'.encode("latin-1") + b"\n")
+    conversations, skipped = load_conversations(path, max_skipped=1)
+    assert len(conversations) == 1
+    assert skipped[0].line == 2 and "not UTF-8" in skipped[0].reason
+
+
+# --------------------------------------------------------------------------- skip budget
+
+
+def test_skips_within_budget_are_reported(tmp_path):
+    lines = [GOOD_LINE, BAD_RECORDS["malformed JSON"], GOOD_LINE, BAD_RECORDS["empty text"]]
+    path = write_lines(tmp_path / "d.jsonl", lines)
+    conversations, skipped = load_conversations(path, max_skipped=2)
+    assert len(conversations) == 2
+    assert [(s.file, s.line) for s in skipped] == [(str(path), 2), (str(path), 4)]
+    assert isinstance(skipped[0], Skipped) and str(skipped[0]).startswith(f"{path}:2: malformed JSON")
+    assert "empty text" in skipped[1].reason
+
+
+def test_exceeding_the_budget_quotes_count_and_first_reasons(tmp_path):
+    bad = [BAD_RECORDS[k] for k in sorted(BAD_RECORDS)]  # 8 bad records
+    path = write_lines(tmp_path / "d.jsonl", [GOOD_LINE, *bad])
+    with pytest.raises(DataError) as info:
+        load_conversations(path, max_skipped=7)
+    message = str(info.value)
+    assert "8 bad record(s), more than max_skipped=7" in message
+    assert f"{path}:2: " in message and f"{path}:6: " in message
+    assert f"{path}:7: " not in message and "... and 3 more" in message
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: no conversations loaded \(0 record"):
+        load_conversations(path, max_skipped=5)
+
+
+def test_all_records_skipped_is_an_error(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [BAD_RECORDS["no assistant turn"]])
+    with pytest.raises(DataError, match=r"no conversations loaded \(1 record"):
+        load_conversations(path, max_skipped=5)
+
+
+def test_negative_budget_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="max_skipped"):
+        load_conversations(write_lines(tmp_path / "d.jsonl", [GOOD_LINE]), max_skipped=-1)
+
+
+# --------------------------------------------------------------------------- default set
+
+
+@pytest.fixture(scope="module")
+def default_set(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("default") / "conversations.jsonl"
+    write_default_conversations(path)
+    return path
+
+
+def test_default_set_is_small_valid_and_varied(default_set):
+    assert 100_000 < default_set.stat().st_size <= 1_000_000
+    conversations, skipped = load_conversations(default_set, max_skipped=0)
+    assert skipped == [] and len(conversations) > 300
+    assistant_turns = [sum(m["role"] == "assistant" for m in c) for c in conversations]
+    assert max(assistant_turns) >= 3 and assistant_turns.count(1) > len(conversations) // 2
+    assert sum(c[0]["role"] == "system" for c in conversations) > 50
+    openers = {c[-2]["content"].split("`")[0] for c in conversations if len(c) == 2}
+    assert len(openers) >= 5  # the deterministic phrasing varies
+    assert any("JSON" in c[-1]["content"] for c in conversations)  # real stdlib docstrings
+
+
+def test_default_set_is_byte_identical_across_runs_and_hash_seeds(default_set, tmp_path):
+    script = "import sys; from draftline.conversations import write_default_conversations as w; "
+    script += "w(sys.argv[1])"
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
+    again = tmp_path / "again.jsonl"
+    subprocess.run([sys.executable, "-c", script, str(again)], check=True, env=env, cwd=tmp_path)
+    assert again.read_bytes() == default_set.read_bytes()
+
+
+def test_smaller_cap_gives_a_prefix(default_set, tmp_path):
+    small = tmp_path / "small.jsonl"
+    count = write_default_conversations(small, max_bytes=20_000)
+    data = small.read_bytes()
+    assert len(data) <= 20_000 and data.count(b"\n") == count
+    assert default_set.read_bytes().startswith(data)
+    with pytest.raises(ValueError, match="too small"):
+        write_default_conversations(tmp_path / "none.jsonl", max_bytes=10)
+
+
+def test_default_conversations_stream_matches_file(default_set):
+    first = next(iter(default_conversations()))
+    line = default_set.read_text(encoding="utf-8").splitlines()[0]
+    assert json.loads(line) == {"messages": first}
