@@ -7,6 +7,7 @@ Run as a module: a script named tokenize.py would shadow the standard library's 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -30,6 +31,11 @@ def load_tokenizer(model_dir: str):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
     assert tokenizer.chat_template, f"{model_dir}: tokenizer has no chat_template"
     return tokenizer
+
+
+def target_vocab_size(model_dir: str) -> int:
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(model_config.get("text_config", model_config)["vocab_size"])
 
 
 def encode_all(tokenizer, conversations, seq_length: int, budget: int, skipped: list):
@@ -59,10 +65,14 @@ def run(cfg: DictConfig) -> dict:
     conversations, load_skipped = load_conversations(data_path, max_skipped=budget)
     skipped = [{"where": s.where, "reason": s.reason} for s in load_skipped]
     tokenizer = load_tokenizer(str(cfg.model.path))
+    # One budget for both kinds of skip: encode_all appends to the load-time list.
     ids, masks, truncated = encode_all(tokenizer, conversations, int(cfg.tokenize.seq_length),
-                                       budget - len(skipped), skipped)
+                                       budget, skipped)
 
-    target_vocab = len(tokenizer)
+    # t2d must match the target's embedding rows (config vocab_size), which can exceed
+    # len(tokenizer) when the embedding is padded.
+    target_vocab = target_vocab_size(str(cfg.model.path))
+    assert len(tokenizer) <= target_vocab, f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}"
     draft_vocab = int(cfg.tokenize.draft_vocab_size)
     assert draft_vocab <= target_vocab, f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}"
     freq = vocab.token_frequencies(zip(ids, masks), target_vocab)  # [target_vocab]

@@ -1,0 +1,246 @@
+"""Draft training on CPU: data contract, speculators' model, resume, saved format, vLLM parse.
+
+The fixture writes exactly what the upstream stages produce: hidden-state shards (real
+hidden states of a tiny random Llama: aux layer inputs + the post-norm final state), a split
+index and a vocab mapping.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftline import tiny
+from draftline.train_data import ShardSampleDataset, load_split, make_loader, make_sampler
+from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
+from draftline.training import latest_checkpoint, train
+
+AUX_IDS = [2, 3, 4]
+NUM_LAYERS = 6
+VOCAB, DRAFT_VOCAB, HIDDEN = 512, 128, 256
+MAX_TOKENS = 512
+# Two shards (bf16 and float32 hidden states); lengths per sample row.
+SHARD_LENGTHS = [[100, 130, 90, 150, 70], [120, 80, 110, 60]]
+SMALL_TRAIN = [(0, 0), (0, 1), (0, 2), (0, 3)]  # 466 tokens after the shift: one packed batch
+FULL_TRAIN = SMALL_TRAIN + [(0, 4), (1, 0), (1, 1)]  # several batches per epoch
+VALIDATION = [(1, 2), (1, 3)]
+
+
+# --------------------------------------------------------------------------- fixture data
+
+
+def _hidden_slots(model, ids: list[int]) -> torch.Tensor:
+    """[T, 4, H]: inputs of the aux layers, then the final state after the final norm."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny)
+    return torch.stack([states[i][0] for i in AUX_IDS] + [states[-1][0]], dim=1)
+
+
+def write_shards(root: Path, verifier_dir: Path, lengths: list[list[int]]) -> list[Path]:
+    """Shards in the extraction stage's layout; shard 0 bf16, the others float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(verifier_dir), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    paths, sample_id = [], 0
+    for shard, shard_lengths in enumerate(lengths):
+        ids = [torch.randint(7, VOCAB, (n,), generator=generator).tolist() for n in shard_lengths]
+        masks = [[0] * (n // 4) + [1] * (n - n // 4) for n in shard_lengths]  # prompt, answer
+        dtype = torch.bfloat16 if shard == 0 else torch.float32
+        offsets = torch.tensor([0] + shard_lengths).cumsum(0)
+        tensors = {
+            "hidden_states": torch.cat([_hidden_slots(model, s) for s in ids]).to(dtype),
+            "input_ids": torch.tensor(sum(ids, []), dtype=torch.int64),
+            "loss_mask": torch.tensor(sum(masks, []), dtype=torch.uint8),
+            "sample_offsets": offsets.to(torch.int64),
+            "sample_ids": torch.arange(sample_id, sample_id + len(ids), dtype=torch.int64),
+        }
+        sample_id += len(ids)
+        paths.append(root / f"shard-{shard:05d}.safetensors")
+        save_file(tensors, str(paths[-1]))
+    return paths
+
+
+def write_split_index(path: Path, train_rows, validation_rows) -> Path:
+    def rows(pairs):
+        return torch.tensor([(s, r, SHARD_LENGTHS[s][r]) for s, r in pairs],
+                            dtype=torch.int64).reshape(-1, 3)
+
+    save_file({"train": rows(train_rows), "validation": rows(validation_rows)}, str(path))
+    return path
+
+
+def write_vocab_mapping(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft vocab of the special tokens plus a seeded random subset of the rest."""
+    rest = 7 + torch.randperm(VOCAB - 7, generator=torch.Generator().manual_seed(1))
+    selected = torch.cat([torch.arange(7), rest[: DRAFT_VOCAB - 7]]).sort().values
+    d2t = selected - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[selected] = True
+    save_file({"d2t": d2t, "t2d": t2d}, str(path))
+    return d2t, t2d
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    verifier = tiny.build_tiny_llama(root / "verifier", num_layers=NUM_LAYERS)
+    shards = write_shards(root, verifier, SHARD_LENGTHS)
+    d2t, t2d = write_vocab_mapping(root / "vocab.safetensors")
+    return {
+        "root": root, "verifier": verifier, "shards": shards, "d2t": d2t, "t2d": t2d,
+        "vocab": root / "vocab.safetensors",
+        "small": write_split_index(root / "split-small.safetensors", SMALL_TRAIN, VALIDATION),
+        "full": write_split_index(root / "split-full.safetensors", FULL_TRAIN, VALIDATION),
+    }
+
+
+def _train(data, out_dir: Path, split: str, **kwargs) -> dict:
+    args = dict(steps=10, lr=1e-3, ttt_steps=3, max_tokens_per_step=MAX_TOKENS, seed=0,
+                checkpoint_every=5, keep_checkpoints=None, check_vllm=False)
+    return train(data["shards"], data[split], data["vocab"], data["verifier"], out_dir,
+                 AUX_IDS, **{**args, **kwargs})
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_dataset_yields_shifted_speculators_samples(data):
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    item = dataset[4]  # shard 0, row 4: 70 tokens starting at 100 + 130 + 90 + 150
+    start, length = 470, 70
+    with safe_open(str(data["shards"][0]), framework="pt") as f:
+        slots = f.get_tensor("hidden_states")[start:start + length].float()  # [T, 4, H]
+        ids = f.get_tensor("input_ids")[start:start + length]
+        mask = f.get_tensor("loss_mask")[start:start + length]
+    # speculators' shift: token t+1 is predicted from the aux states of token t.
+    assert torch.equal(item["hidden_states"], slots[:-1, :3].reshape(length - 1, 3 * HIDDEN))
+    assert torch.equal(item["verifier_last_hidden_states"], slots[1:, 3])
+    assert torch.equal(item["input_ids"], ids[1:])
+    assert torch.equal(item["loss_mask"], mask[1:].long())
+    assert item["lengths"].tolist() == [length - 1]
+    assert dataset.lengths[4] == length - 1
+
+
+def test_packing_respects_token_budget(data):
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    batches = list(make_sampler(dataset.lengths, MAX_TOKENS, seed=0))
+    assert sorted(i for b in batches for i in b.tolist()) == list(range(len(dataset)))
+    for batch in make_loader(dataset, batches, MAX_TOKENS):
+        assert batch["hidden_states"].shape == (1, MAX_TOKENS, 3 * HIDDEN)
+        assert batch["input_ids"].shape == (1, MAX_TOKENS)
+        assert int(batch["lengths"].sum()) <= MAX_TOKENS
+
+
+def test_split_index_must_match_shards(data, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    save_file({"train": torch.tensor([[0, 1, 999]]), "validation": torch.zeros(0, 3).long()},
+              str(bad))
+    with pytest.raises(ValueError, match="index says 999"):
+        ShardSampleDataset(data["shards"], load_split(bad, "train"))
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_dense_sdpa_matches_speculators_flex_attention(data):
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    batch = next(iter(make_loader(dataset, list(make_sampler(dataset.lengths, MAX_TOKENS, 0)),
+                                  MAX_TOKENS)))
+    draft = build_draft(data["verifier"], AUX_IDS, data["d2t"], data["t2d"])
+    results = {}
+    for kind in ("flex", "sdpa"):
+        set_attention(draft, kind)
+        draft.zero_grad()
+        with torch.compiler.set_stance("force_eager"):
+            _tokens, loss, _metrics = draft(**batch, ttt_steps=3)
+            loss.backward()
+        results[kind] = (loss.detach(), draft.fc.weight.grad.clone())
+    torch.testing.assert_close(results["sdpa"][0], results["flex"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results["sdpa"][1], results["flex"][1], rtol=1e-4, atol=1e-7)
+
+
+def test_build_draft_finds_prefixed_verifier_weights(data, tmp_path):
+    """A multimodal-style verifier: text_config, language_model.* names, sharded index."""
+    config = json.loads((data["verifier"] / "config.json").read_text())
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": config}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    weights = load_file(str(data["verifier"] / "model.safetensors"))
+    text = {f"language_model.{k}": v for k, v in weights.items()}
+    decoy = {"vision_tower.patch.embed_tokens.weight": torch.zeros(16, HIDDEN)}
+    save_file(text, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(decoy, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {**dict.fromkeys(text, "model-00001-of-00002.safetensors"),
+                  **dict.fromkeys(decoy, "model-00002-of-00002.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    draft = build_draft(tmp_path, AUX_IDS, data["d2t"], data["t2d"])
+    assert torch.equal(draft.embed_tokens.weight, weights["model.embed_tokens.weight"])
+    assert torch.equal(draft.verifier_lm_head.weight, weights["lm_head.weight"][data["t2d"]])
+    verifier = draft.config.speculators_config.verifier
+    assert verifier.architectures == ["KimiK25ForConditionalGeneration"]
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_loss_decreases_on_a_repeated_batch(data, tmp_path):
+    result = _train(data, tmp_path / "run", "small", checkpoint_every=100)
+    history = result["loss_history"]
+    assert len(history) == 10 and result["completed"]
+    assert history[-1] < 0.8 * history[0]
+    assert set(result["final"]) >= {f"{m}_{k}" for m in ("loss", "full_acc", "cond_acc")
+                                     for k in range(3)}
+    assert result["validation"]["loss"] > 0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return out, _train(data, out, "full", check_vllm=True)
+
+
+def test_resume_is_bit_identical(data, uninterrupted, tmp_path):
+    reference_dir, reference = uninterrupted
+    first = _train(data, tmp_path, "full", stop_after=5)
+    assert not first["completed"] and first["draft_dir"] is None
+    assert latest_checkpoint(tmp_path).name == "step-00000005"
+    # A half-written checkpoint (a killed save) must never be resumed from.
+    shutil.copytree(latest_checkpoint(tmp_path), tmp_path / "checkpoints" / ".step-00000009.x.tmp")
+    second = _train(data, tmp_path, "full")
+    assert second["resumed_from"] == 5 and second["steps"] == 10
+    assert second["loss_history"] == reference["loss_history"][5:]
+    for name in ("checkpoints/step-00000010/draft.safetensors", "draft/model.safetensors"):
+        ours, theirs = load_file(str(tmp_path / name)), load_file(str(reference_dir / name))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_resume_refuses_a_different_run(data, uninterrupted):
+    with pytest.raises(ValueError, match="different run"):
+        _train(data, uninterrupted[0], "full", lr=2e-3)
+
+
+def test_saved_draft_config_and_vllm(data, uninterrupted):
+    out, result = uninterrupted
+    draft_dir = out / "draft"
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["architectures"] == ["Eagle3DraftModel"]
+    verifier = config["speculators_config"]["verifier"]
+    assert verifier == {"architectures": ["LlamaForCausalLM"], "name_or_path": str(data["verifier"])}
+    weights = load_file(str(draft_dir / "model.safetensors"))
+    assert torch.equal(weights["d2t"], data["d2t"]) and torch.equal(weights["t2d"], data["t2d"])
+    assert "verifier_lm_head.weight" not in weights
+    expected = {"architectures": ["Eagle3LlamaForCausalLM"],
+                "eagle_aux_hidden_state_layer_ids": AUX_IDS, "draft_vocab_size": DRAFT_VOCAB}
+    assert result["vllm"] == expected
+    assert check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
