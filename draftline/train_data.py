@@ -27,6 +27,7 @@ __all__ = [
     "load_split",
     "load_vocab_mapping",
     "make_sampler",
+    "epoch_batches",
     "plan_steps",
     "steps_in_epochs",
     "make_loader",
@@ -149,14 +150,15 @@ def make_sampler(lengths: Sequence[int], max_tokens: int,
     )
 
 
-def _epoch_batches(sampler: MultipackDistributedBatchSamplerV2, epoch: int) -> list[np.ndarray]:
+def epoch_batches(sampler: MultipackDistributedBatchSamplerV2, epoch: int) -> list[np.ndarray]:
+    """Sample indices of each packed batch of one epoch, in training order."""
     sampler.set_epoch(epoch)
     return list(sampler)
 
 
 def steps_in_epochs(sampler: MultipackDistributedBatchSamplerV2, epochs: int) -> int:
     """Optimizer steps in ``epochs`` passes (the packing, so the count, varies per epoch)."""
-    return sum(len(_epoch_batches(sampler, epoch)) for epoch in range(epochs))
+    return sum(len(epoch_batches(sampler, epoch)) for epoch in range(epochs))
 
 
 def plan_steps(sampler: MultipackDistributedBatchSamplerV2, start_step: int,
@@ -169,7 +171,7 @@ def plan_steps(sampler: MultipackDistributedBatchSamplerV2, start_step: int,
     plan: list[tuple[int, np.ndarray]] = []
     step, epoch = 0, 0
     while step < total_steps:
-        batches = _epoch_batches(sampler, epoch)
+        batches = epoch_batches(sampler, epoch)
         if not batches:
             raise ValueError("the split packs into zero batches")
         for batch in batches[: total_steps - step]:

@@ -25,12 +25,13 @@ resumed run ends with bit-identical weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from transformers import get_linear_schedule_with_warmup
 from draftline.artifacts import atomic_dir
 from draftline.train_data import (
     ShardSampleDataset,
+    epoch_batches,
     load_split,
     load_vocab_mapping,
     make_loader,
@@ -199,36 +201,91 @@ def _log_step(step: int, total: int, metrics: dict, lr: float, rates: dict,
              rates["tokens_per_second"], eta)
 
 
-def _train_step(model, optimizer, scheduler, batch: dict, forward_mode,
-                ttt_steps: int, decay: float) -> dict:
-    """One optimizer step exactly as speculators' Trainer.train_epoch does it."""
-    with forward_mode():
-        _draft_tokens, loss, metrics = model(**batch, ttt_steps=ttt_steps,
-                                             ttt_step_loss_decay=decay)
-        optimizer.zero_grad()
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-    optimizer.step()
-    scheduler.step()
-    return {k: v.item() for k, v in metrics.items()}
+@dataclasses.dataclass
+class _Session:
+    """What every step needs: the draft, its optimizer/schedule and how to call it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: str
+    forward_mode: Callable[[], contextlib.AbstractContextManager]
+    ttt_steps: int
+    decay: float
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        with self.forward_mode():
+            _draft_tokens, loss, metrics = self.model(
+                **_to_device(batch, self.device), ttt_steps=self.ttt_steps,
+                ttt_step_loss_decay=self.decay)
+        return loss, metrics
+
+    def step(self, batch: dict) -> dict:
+        """One optimizer step exactly as speculators' Trainer.train_epoch does it."""
+        loss, metrics = self.forward(batch)
+        self.optimizer.zero_grad()
+        with self.forward_mode():
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.scheduler.step()
+        return {k: v.item() for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> dict:
+        """Mean of speculators' metrics over the batches (empty dict if none)."""
+        self.model.eval()
+        totals: dict[str, float] = {}
+        count = 0
+        for batch in loader:
+            for k, v in self.forward(batch)[1].items():
+                totals[k] = totals.get(k, 0.0) + v.item()
+            count += 1
+        self.model.train()
+        return {k: v / count for k, v in totals.items()}
 
 
-@torch.no_grad()
-def _evaluate(model, loader: Iterable, device: str, forward_mode, ttt_steps: int,
-              decay: float) -> dict:
-    """Mean of speculators' metrics over the validation batches (empty dict if none)."""
-    model.eval()
-    totals: dict[str, float] = {}
-    count = 0
-    for batch in loader:
-        with forward_mode():
-            _tokens, _loss, metrics = model(**_to_device(batch, device), ttt_steps=ttt_steps,
-                                            ttt_step_loss_decay=decay)
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + v.item()
-        count += 1
-    model.train()
-    return {k: v / count for k, v in totals.items()}
+def _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
+              **hyper) -> dict:
+    """Everything that shapes the result; a checkpoint resumes only the same spec."""
+    return {
+        "shards": [str(Path(s).absolute()) for s in shards],
+        "split_index": str(Path(split_index).absolute()),
+        "vocab_mapping": str(Path(vocab_mapping).absolute()),
+        "verifier_dir": str(Path(verifier_dir).absolute()),
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        **hyper,
+    }
+
+
+def _loop(session: _Session, train_set: ShardSampleDataset, plan: list, out: Path,
+          spec: dict, start: int, stop: int, checkpoint_every: int,
+          keep_checkpoints: int | None, num_workers: int) -> tuple[list[dict], dict]:
+    """Run the planned steps; return per-step metrics and the final rates."""
+    total, max_tokens = spec["total_steps"], spec["max_tokens_per_step"]
+    loader = make_loader(train_set, [batch for _, batch in plan], max_tokens, num_workers)
+    meter, rates, history = _Meter(start, total), {}, []
+    log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
+    for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
+        lr = session.optimizer.param_groups[0]["lr"]
+        history.append(session.step(batch))
+        rates = meter.rates(step, int(batch["lengths"].sum()))
+        _log_step(step, total, history[-1], lr, rates, session.ttt_steps)
+        if step % checkpoint_every == 0 or step == stop:
+            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1]}
+            _save_checkpoint(out, step, session.model, session.optimizer, session.scheduler,
+                             state, keep_checkpoints)
+    return history, rates
+
+
+def _validate(session: _Session, shards, split_index, max_tokens: int, seed: int,
+              num_workers: int) -> dict:
+    rows = load_split(split_index, "validation")
+    if not len(rows):
+        return {}
+    dataset = ShardSampleDataset(shards, rows)
+    batches = epoch_batches(make_sampler(dataset.lengths, max_tokens, seed), 0)
+    return session.evaluate(make_loader(dataset, batches, max_tokens, num_workers))
 
 
 def _save_draft(model, out_dir: Path, save_dtype: str) -> Path:
@@ -249,13 +306,15 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
           num_layers: int = 1, num_workers: int = 0, stop_after: int | None = None,
           compile: bool | None = None, attention: str = "auto",
           save_dtype: str = "bfloat16", check_vllm: bool = True) -> dict:
-    """Train (or resume) a draft; write ``out_dir/draft/`` when all steps are done.
+    """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
 
-    ``stop_after`` ends this process after that global step (with a checkpoint), e.g. for
+    ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
     time-sliced jobs; the next call resumes.  ``warmup_steps=None`` is speculators'
-    default (1% of the steps).  Returns metrics: ``steps``, ``completed``, ``final``
-    (speculators' per-TTT-step loss/accuracies of the last step), ``validation``,
-    ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``.
+    default (1% of the steps).  ``compile=None`` compiles on CUDA only; ``attention="auto"``
+    is speculators' flex kernel when compiled, the dense SDPA kernel otherwise.  Returns
+    ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
+    per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
+    ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``.
     """
     out = Path(out_dir)
     d2t, t2d = load_vocab_mapping(vocab_mapping)
@@ -264,54 +323,32 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     sampler = make_sampler(train_set.lengths, max_tokens_per_step, seed)
     total = _total_steps(sampler, steps, epochs)
     warmup = total // 100 if warmup_steps is None else warmup_steps
-    spec = {
-        "shards": [str(Path(s).absolute()) for s in shards],
-        "split_index": str(Path(split_index).absolute()),
-        "vocab_mapping": str(Path(vocab_mapping).absolute()),
-        "verifier_dir": str(Path(verifier_dir).absolute()),
-        "aux_layer_ids": [int(i) for i in aux_layer_ids], "total_steps": total, "lr": lr,
-        "warmup_steps": warmup, "ttt_steps": ttt_steps, "ttt_step_loss_decay": ttt_step_loss_decay,
-        "max_tokens_per_step": max_tokens_per_step, "seed": seed, "num_layers": num_layers,
-    }
+    spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
+                     total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
+                     ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
+                     max_tokens_per_step=max_tokens_per_step)
     model.to(device).train()
     optimizer, scheduler = _optimizer(model, lr, warmup, total)
-    start, metrics = _resume(out, spec, model, optimizer, scheduler, device)
-    stop = total if stop_after is None else min(total, stop_after)
-    forward_mode = _forward_mode(model, device, compile, attention)
-
-    plan = plan_steps(sampler, start, stop)
-    loader = make_loader(train_set, [batch for _, batch in plan], max_tokens_per_step, num_workers)
-    meter, rates = _Meter(start, total), {}
-    log.info("training steps %d..%d of %d on %s", start + 1, stop, total, device)
-    for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
-        lr_now = optimizer.param_groups[0]["lr"]
-        metrics = _train_step(model, optimizer, scheduler, _to_device(batch, device),
-                              forward_mode, ttt_steps, ttt_step_loss_decay)
-        rates = meter.rates(step, int(batch["lengths"].sum()))
-        _log_step(step, total, metrics, lr_now, rates, ttt_steps)
-        if step % checkpoint_every == 0 or step == stop:
-            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": metrics}
-            _save_checkpoint(out, step, model, optimizer, scheduler, state, keep_checkpoints)
-
+    start, last = _resume(out, spec, model, optimizer, scheduler, device)
+    session = _Session(model, optimizer, scheduler, device,
+                       _forward_mode(model, device, compile, attention), ttt_steps,
+                       ttt_step_loss_decay)
+    stop = total if stop_after is None else max(start, min(total, stop_after))
+    history, rates = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
+                           start, stop, checkpoint_every, keep_checkpoints, num_workers)
     result = {
         "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
-        "final": metrics, "tokens_per_second": rates.get("tokens_per_second"),
+        "final": history[-1] if history else last,
+        "loss_history": [m["loss"] for m in history],
+        "tokens_per_second": rates.get("tokens_per_second"),
         "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
         "validation": {}, "draft_dir": None, "vllm": None,
     }
     if stop < total:
         return result
-
-    val_rows = load_split(split_index, "validation")
-    if len(val_rows):
-        val_set = ShardSampleDataset(shards, val_rows)
-        val_plan = plan_steps(make_sampler(val_set.lengths, max_tokens_per_step, seed), 0,
-                              len(make_sampler(val_set.lengths, max_tokens_per_step, seed)))
-        val_loader = make_loader(val_set, [b for _, b in val_plan], max_tokens_per_step, num_workers)
-        result["validation"] = _evaluate(model, val_loader, device, forward_mode, ttt_steps,
-                                         ttt_step_loss_decay)
-    draft_dir = _save_draft(model, out, save_dtype)
-    result["draft_dir"] = str(draft_dir)
+    result["validation"] = _validate(session, shards, split_index, max_tokens_per_step, seed,
+                                     num_workers)
+    result["draft_dir"] = str(_save_draft(model, out, save_dtype))
     if check_vllm:
-        result["vllm"] = check_draft_with_vllm(draft_dir, aux_layer_ids, int(d2t.numel()))
+        result["vllm"] = check_draft_with_vllm(result["draft_dir"], aux_layer_ids, d2t.numel())
     return result

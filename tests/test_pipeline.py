@@ -1,0 +1,129 @@
+"""The whole pipeline through Make, in a copy of the repository, on a small embedded run.
+
+Default tier: a full `make all`, a no-op rerun, a train-only change. The `slow` tier adds the
+extract-key change, a touched tokenize input, and a `kill -9` of extract followed by a resume
+that must give byte-identical shards.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("tokenize", "extract", "prepare", "train")
+# Small enough for a few minutes on 2 cores: ~25 conversations, a handful of train steps.
+BASE = "data.max_bytes=20000 extract.shard_tokens=1024 extract.token_budget=1024 train.steps=4 train.checkpoint_every=2"
+
+
+def _copy_repo(dst: Path) -> Path:
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        source = REPO / name
+        if source.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dst / name)  # keep mtimes: setup stays up to date
+    return dst
+
+
+def make(repo: Path, *targets: str, extra: str = "") -> tuple[list[str], str]:
+    """Run make; return the stages whose commands ran, and the output."""
+    command = ["make", "--no-print-directory", *targets, f"VENV={sys.prefix}", "EXP=tiny",
+               f"OVERRIDES={BASE} {extra}".strip()]
+    result = subprocess.run(command, cwd=repo, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    ran = [s for s in STAGES if f"-m stages.{s} " in output]
+    return ran, output
+
+
+def shard_hashes(repo: Path) -> dict[str, str]:
+    manifest = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
+    return {s["file"]: s["sha256"] for s in manifest["shards"]}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = _copy_repo(tmp_path_factory.mktemp("pipeline"))
+    ran, _ = make(repo, "all")
+    assert ran == list(STAGES)
+    return repo
+
+
+def test_every_stage_leaves_a_manifest_with_provenance(repo):
+    for stage in STAGES:
+        manifest = json.loads((repo / f"runs/tiny/{stage}/manifest.json").read_text())
+        provenance = manifest["provenance"]
+        assert provenance["config_sha256"] and provenance["versions"]["speculators"] == "0.3.0"
+        assert [p["name"] for p in provenance["patches"]] == sorted(
+            p.name for p in (REPO / "patches").glob("*.diff"))
+    extract = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
+    assert extract["num_tokens"] == sum(s["tokens"] for s in extract["shards"])
+
+
+def test_second_run_is_a_no_op(repo):
+    start = time.monotonic()
+    ran, _ = make(repo, "all")
+    print(f"\nno-op make all: {time.monotonic() - start:.2f} s")
+    assert ran == []
+
+
+def test_train_key_reruns_only_train(repo):
+    ran, _ = make(repo, "all", extra="train.lr=1e-3")
+    assert ran == ["train"]
+    ran, _ = make(repo, "status", extra="train.lr=1e-3")
+    ran, _ = make(repo, "all")  # back to the base config: train is stale again
+    assert ran == ["train"]
+
+
+@pytest.mark.slow
+def test_extract_key_reruns_extract_prepare_train(repo):
+    ran, _ = make(repo, "all", extra="extract.save_dtype=float32")
+    assert ran == ["extract", "prepare", "train"]
+    make(repo, "all")
+
+
+@pytest.mark.slow
+def test_touched_tokenize_input_reruns_everything(repo):
+    (repo / "runs/_assets/conversations.jsonl").touch()
+    ran, _ = make(repo, "all")
+    assert ran == list(STAGES)
+
+
+@pytest.mark.slow
+def test_killed_extract_resumes_to_identical_shards(repo):
+    make(repo, "extract")
+    reference = shard_hashes(repo)
+    assert len(reference) >= 3
+    extract_dir = repo / "runs/tiny/extract"
+    for path in extract_dir.glob("shard-*.safetensors"):
+        path.unlink()
+    (extract_dir / "manifest.json").unlink()
+
+    command = [sys.executable, "-m", "stages.extract", "experiment=tiny", *BASE.split()]
+    process = subprocess.Popen(command, cwd=repo, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(list(extract_dir.glob("shard-*.safetensors"))) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, "extract ended early"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the stage and its vLLM workers
+    process.wait()
+    survivors = len(list(extract_dir.glob("shard-*.safetensors")))
+    assert not (extract_dir / "manifest.json").exists()
+
+    ran, output = make(repo, "extract")
+    assert ran == ["extract"]
+    resumed = json.loads((extract_dir / "manifest.json").read_text())["resumed_shards"]
+    print(f"\nkilled with {survivors} shards on disk; resumed {resumed}")
+    assert resumed >= 2
+    assert shard_hashes(repo) == reference
