@@ -80,7 +80,8 @@ TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py
   draftline/vocab.py draftline/samples.py $(COMMON_CODE)
 EXTRACT_CODE := stages/extract.py draftline/extraction.py draftline/samples.py $(COMMON_CODE)
 PREPARE_CODE := stages/prepare.py draftline/preparation.py $(COMMON_CODE)
-TRAIN_CODE := stages/train.py draftline/training.py $(COMMON_CODE)
+TRAIN_CODE := stages/train.py draftline/training.py draftline/train_data.py \
+  draftline/train_model.py $(COMMON_CODE)
 STAMPS := $(foreach s,tokenize extract prepare train,$(RUN)/$(s)/config.json)
 
 .PHONY: FORCE

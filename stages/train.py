@@ -1,0 +1,60 @@
+"""train: an EAGLE-3 draft with speculators' Eagle3DraftModel on the prepared shards.
+
+    make train EXP=tiny          # or: python -m stages.train experiment=tiny
+
+Aux layer ids come from the extract manifest (what the data was made with), never from
+config, so a draft cannot be trained on features from other layers than its config.json
+names. Resumes from the latest complete checkpoint under <run_dir>/train/.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from draftline import artifacts, config
+from draftline.stage import run_stage
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    assert requested == "cpu" or torch.cuda.is_available(), f"train.device={requested} but no CUDA GPU"
+    return requested
+
+
+def run(cfg: DictConfig) -> dict:
+    from draftline import training
+
+    prepare_dir = config.stage_dir(cfg, "prepare")
+    prepared = artifacts.read_manifest(prepare_dir)
+    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
+    out_dir = config.stage_dir(cfg, "train")
+    result = training.train(
+        prepared["shards"], prepare_dir / prepared["index"],
+        config.stage_dir(cfg, "tokenize") / "vocab.safetensors",
+        str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
+        steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
+        max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.seed),
+        device=pick_device(str(cfg.train.device)), num_layers=int(cfg.train.num_layers),
+        checkpoint_every=int(cfg.train.checkpoint_every),
+    )
+    assert result["completed"], f"training stopped at step {result['steps']} of {result['total_steps']}"
+    return {
+        "draft": str(result["draft_dir"]),
+        "aux_layer_ids": list(extract["aux_layer_ids"]),
+        "metrics": {k: v for k, v in result.items() if k not in ("draft_dir",)},
+        "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST)},
+        "skipped": [],
+    }
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_stage("train", cfg, run)
+
+
+if __name__ == "__main__":
+    main()
