@@ -15,30 +15,26 @@ fails on it on CPU, so CPU runs execute under ``torch.compiler.set_stance("force
 ``torch._dynamo.config.disable``) and use the dense-mask SDPA kernel from
 ``draftline.train_model``.
 
-Checkpoints (``out_dir/checkpoints/step-NNNNNNNN/``) hold the trainable weights and the
-optimizer in float32 plus the scheduler and a run spec; each is written to a temporary
-sibling and renamed into place, so a killed run never leaves a checkpoint that looks
-complete.  Resuming replays the same planned batches, so on CPU (same torch thread count) a
-resumed run ends with bit-identical weights.
+Resume (``draftline.train_checkpoint``): the latest complete checkpoint of the same run spec
+is loaded and the same planned batches are replayed from there (``plan_steps``), so on CPU
+(same torch thread count) a resumed run ends with bit-identical weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import re
-import shutil
+import datetime
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import get_linear_schedule_with_warmup
 
 from draftline.artifacts import atomic_dir
+from draftline.train_checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
 from draftline.train_data import (
     ShardSampleDataset,
     epoch_batches,
@@ -51,85 +47,10 @@ from draftline.train_data import (
 )
 from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
 
-__all__ = ["train", "latest_checkpoint", "trainable_state"]
+__all__ = ["train", "latest_checkpoint"]
 
 log = logging.getLogger(__name__)
-CHECKPOINTS = "checkpoints"
-STEP_DIR = re.compile(r"step-(\d{8})")
-STATE = "state.json"
 GRAD_CLIP = 1.0  # speculators' Trainer
-
-
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters training changes (frozen verifier embeddings/head are rebuilt)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """Newest complete ``step-*`` checkpoint; temporary (dot-prefixed) dirs never match."""
-    root = Path(out_dir) / CHECKPOINTS
-    found = [(int(m.group(1)), p) for p in root.glob("step-*")
-             if (m := STEP_DIR.fullmatch(p.name)) and (p / STATE).exists()]
-    return max(found)[1] if found else None
-
-
-def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, scheduler, state: dict,
-                     keep: int | None) -> Path:
-    path = out_dir / CHECKPOINTS / f"step-{step:08d}"
-    with atomic_dir(path) as tmp:
-        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in trainable_state(model).items()}
-        save_file(weights, str(tmp / "draft.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    _prune_checkpoints(out_dir, keep)
-    return path
-
-
-def _prune_checkpoints(out_dir: Path, keep: int | None) -> None:
-    """Keep the newest ``keep`` checkpoints (Kimi-sized ones are many GiB each)."""
-    if keep is None:
-        return
-    steps = sorted(p for p in (out_dir / CHECKPOINTS).glob("step-*") if STEP_DIR.fullmatch(p.name))
-    for path in steps[:-keep] if keep > 0 else steps:
-        shutil.rmtree(path)
-
-
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    """A run killed mid-save leaves a dot-prefixed temporary; it can never be resumed from."""
-    for tmp in (out_dir / CHECKPOINTS).glob(".step-*.tmp"):
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler, device: str) -> dict:
-    weights = load_file(str(path / "draft.safetensors"), device=device)
-    expected = set(trainable_state(model))
-    if set(weights) != expected:
-        raise ValueError(f"{path}: weights {sorted(set(weights) ^ expected)} do not match the draft")
-    model.load_state_dict(weights, strict=False)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device,
-                                         weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    return json.loads((path / STATE).read_text())
-
-
-def _resume(out_dir: Path, spec: dict, model, optimizer, scheduler,
-            device: str) -> tuple[int, dict]:
-    """Load the latest checkpoint of the same run; return (step, its last metrics)."""
-    _remove_stale_temporaries(out_dir)
-    path = latest_checkpoint(out_dir)
-    if path is None:
-        return 0, {}
-    saved = json.loads((path / STATE).read_text())["spec"]
-    if saved != spec:
-        changed = sorted(k for k in spec.keys() | saved.keys() if spec.get(k) != saved.get(k))
-        raise ValueError(f"{path} belongs to a different run (changed: {changed}); "
-                         "use a fresh out_dir")
-    state = _load_checkpoint(path, model, optimizer, scheduler, device)
-    log.info("resumed from %s", path)
-    return int(state["step"]), state["metrics"]
 
 
 def _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers: int, ttt_steps: int,
@@ -195,7 +116,7 @@ def _log_step(step: int, total: int, metrics: dict, lr: float, rates: dict,
     per_ttt = " | ".join(
         f"ttt{k} loss {metrics[f'loss_{k}']:.4f} acc {metrics[f'full_acc_{k}']:.3f} "
         f"cond {metrics[f'cond_acc_{k}']:.3f}" for k in range(ttt_steps))
-    eta = time.strftime("%H:%M:%S", time.gmtime(rates["eta_seconds"]))
+    eta = datetime.timedelta(seconds=round(rates["eta_seconds"]))
     log.info("step %d/%d loss %.4f | %s | lr %.2e | %.2f step/s %.0f tok/s | ETA %s",
              step, total, metrics["loss"], per_ttt, lr, rates["steps_per_second"],
              rates["tokens_per_second"], eta)
@@ -224,8 +145,7 @@ class _Session:
         """One optimizer step exactly as speculators' Trainer.train_epoch does it."""
         loss, metrics = self.forward(batch)
         self.optimizer.zero_grad()
-        with self.forward_mode():
-            loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.scheduler.step()
@@ -245,8 +165,9 @@ class _Session:
         return {k: v / count for k, v in totals.items()}
 
 
-def _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
-              **hyper) -> dict:
+def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
+              vocab_mapping: str | Path, verifier_dir: str | Path,
+              aux_layer_ids: Sequence[int], **hyper) -> dict:
     """Everything that shapes the result; a checkpoint resumes only the same spec."""
     return {
         "shards": [str(Path(s).absolute()) for s in shards],
@@ -273,8 +194,8 @@ def _loop(session: _Session, train_set: ShardSampleDataset, plan: list, out: Pat
         _log_step(step, total, history[-1], lr, rates, session.ttt_steps)
         if step % checkpoint_every == 0 or step == stop:
             state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1]}
-            _save_checkpoint(out, step, session.model, session.optimizer, session.scheduler,
-                             state, keep_checkpoints)
+            save_checkpoint(out, step, session.model, session.optimizer, session.scheduler,
+                            state, keep_checkpoints)
     return history, rates
 
 
@@ -295,6 +216,18 @@ def _save_draft(model, out_dir: Path, save_dtype: str) -> Path:
     with atomic_dir(path) as tmp:
         model.save_pretrained(str(tmp))
     return path
+
+
+def _summary(history: list[dict], rates: dict, start: int, stop: int, total: int,
+             last: dict) -> dict:
+    return {
+        "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
+        "final": history[-1] if history else last,
+        "loss_history": [m["loss"] for m in history],
+        "tokens_per_second": rates.get("tokens_per_second"),
+        "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
+        "validation": {}, "draft_dir": None, "vllm": None,
+    }
 
 
 def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: str | Path,
@@ -329,21 +262,14 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
                      max_tokens_per_step=max_tokens_per_step)
     model.to(device).train()
     optimizer, scheduler = _optimizer(model, lr, warmup, total)
-    start, last = _resume(out, spec, model, optimizer, scheduler, device)
+    start, last = resume_checkpoint(out, spec, model, optimizer, scheduler, device)
     session = _Session(model, optimizer, scheduler, device,
                        _forward_mode(model, device, compile, attention), ttt_steps,
                        ttt_step_loss_decay)
     stop = total if stop_after is None else max(start, min(total, stop_after))
     history, rates = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
                            start, stop, checkpoint_every, keep_checkpoints, num_workers)
-    result = {
-        "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
-        "final": history[-1] if history else last,
-        "loss_history": [m["loss"] for m in history],
-        "tokens_per_second": rates.get("tokens_per_second"),
-        "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
-        "validation": {}, "draft_dir": None, "vllm": None,
-    }
+    result = _summary(history, rates, start, stop, total, last)
     if stop < total:
         return result
     result["validation"] = _validate(session, shards, split_index, max_tokens_per_step, seed,

@@ -4,7 +4,8 @@
 
 Aux layer ids come from the extract manifest (what the data was made with), never from
 config, so a draft cannot be trained on features from other layers than its config.json
-names. Resumes from the latest complete checkpoint under <run_dir>/train/.
+names. Resumes from the latest complete checkpoint under <run_dir>/train/runs/<key>/, where
+the key hashes the train config and the prepared data.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ def run(cfg: DictConfig) -> dict:
     prepare_dir = config.stage_dir(cfg, "prepare")
     prepared = artifacts.read_manifest(prepare_dir)
     extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    out_dir = config.stage_dir(cfg, "train")
+    # One folder per (config, data): checkpoints resume only into the run that made them,
+    # and switching a key back resumes the earlier run instead of discarding it.
+    run_key = artifacts.config_hash({
+        "train": config.stage_config(cfg, "train"),
+        "prepare": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST),
+    })[:12]
+    out_dir = config.stage_dir(cfg, "train") / "runs" / run_key
     result = training.train(
         prepared["shards"], prepare_dir / prepared["index"],
         config.stage_dir(cfg, "tokenize") / "vocab.safetensors",

@@ -203,16 +203,21 @@ def test_loss_decreases_on_a_repeated_batch(data, tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    return out, _train(data, out, "full", check_vllm=True)
+    return out, _train(data, out, "full", check_vllm=True, checkpoint_every=2,
+                       keep_checkpoints=2)
 
 
 def test_resume_is_bit_identical(data, uninterrupted, tmp_path):
     reference_dir, reference = uninterrupted
     first = _train(data, tmp_path, "full", stop_after=5)
     assert not first["completed"] and first["draft_dir"] is None
-    assert latest_checkpoint(tmp_path).name == "step-00000005"
-    # A half-written checkpoint (a killed save) must never be resumed from.
-    shutil.copytree(latest_checkpoint(tmp_path), tmp_path / "checkpoints" / ".step-00000009.x.tmp")
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.name == "step-00000005"
+    # Neither a killed save's temporary nor a directory without state.json is resumable.
+    shutil.copytree(checkpoint, tmp_path / "checkpoints" / ".step-00000009.x.tmp")
+    shutil.copytree(checkpoint, tmp_path / "checkpoints" / "step-00000008",
+                    ignore=shutil.ignore_patterns("state.json"))
+    assert latest_checkpoint(tmp_path) == checkpoint
     second = _train(data, tmp_path, "full")
     assert second["resumed_from"] == 5 and second["steps"] == 10
     assert second["loss_history"] == reference["loss_history"][5:]
@@ -220,6 +225,12 @@ def test_resume_is_bit_identical(data, uninterrupted, tmp_path):
         ours, theirs = load_file(str(tmp_path / name)), load_file(str(reference_dir / name))
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_old_checkpoints_are_pruned(uninterrupted):
+    out, _result = uninterrupted
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-00000008", "step-00000010"]
 
 
 def test_resume_refuses_a_different_run(data, uninterrupted):
