@@ -124,7 +124,8 @@ def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
     if not path.exists():
         return False
     with safe_open(str(path), framework="pt") as handle:
-        same_run = handle.metadata().get("fingerprint") == fingerprint
+        metadata = json.loads((handle.metadata() or {}).get("draftline", "{}"))
+        same_run = metadata.get("fingerprint") == fingerprint
         sample_ids = tuple(handle.get_tensor("sample_ids").tolist())
     return same_run and sample_ids == plan.sample_ids
 
@@ -149,8 +150,12 @@ def pack_shard(plan: ShardPlan, results: dict[int, dict], loss_masks: dict[int, 
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Atomic write. The metadata goes in as one JSON string: safetensors keeps header
+    metadata in a hash map whose order changes per process, and several keys would make
+    identical shards differ byte-wise between runs."""
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_file(tensors, str(tmp), metadata={"draftline": json.dumps(metadata, sort_keys=True)})
+
 
 
 class Progress:

@@ -50,7 +50,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
     """Write ``step``'s checkpoint atomically, then drop all but the newest ``keep``."""
     path = out_dir / CHECKPOINTS / f"step-{step:08d}"
     with atomic_dir(path) as tmp:
-        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in trainable_state(model).items()}
+        weights = {n: t.to("cpu", copy=True) for n, t in trainable_state(model).items()}
         save_file(weights, str(tmp / "draft.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -79,7 +79,8 @@ def _load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     weights = load_file(str(path / "draft.safetensors"), device=device)
     expected = set(trainable_state(model))
     if set(weights) != expected:
-        raise ValueError(f"{path}: weights {sorted(set(weights) ^ expected)} do not match the draft")
+        mismatch = sorted(set(weights) ^ expected)
+        raise ValueError(f"{path}: weights {mismatch} differ from the draft's parameters")
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device,
                                          weights_only=True))

@@ -10,9 +10,11 @@ checkpoint only per epoch, and store bfloat16 weights and optimizer state, which
 CPU runs, mid-epoch resume and exact resume.  The loop below is the same few calls.
 
 CPU: speculators decorates ``Eagle3DraftModel.forward`` with ``@torch.compile``, and inductor
-fails on it on CPU, so CPU runs execute under ``torch.compiler.set_stance("force_eager")``
-(scoped to the forward/backward, documented API, unlike the global
-``torch._dynamo.config.disable``) and use the dense-mask SDPA kernel from
+fails on it on CPU (torch 2.10: ``InductorError: IndexError: tuple index out of range``
+after ~90 s of compiling), so CPU runs call it under
+``torch.compiler.set_stance("force_eager")`` -- documented API, scoped to the forward call
+and restored afterwards, unlike the process-global ``torch._dynamo.config.disable`` or
+``TORCHDYNAMO_DISABLE=1`` -- and use the dense-mask SDPA kernel from
 ``draftline.train_model``.
 
 Resume (``draftline.train_checkpoint``): the latest complete checkpoint of the same run spec
@@ -24,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import datetime
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_linear_schedule_with_warmup
 
 from draftline.artifacts import atomic_dir
@@ -45,7 +49,12 @@ from draftline.train_data import (
     plan_steps,
     steps_in_epochs,
 )
-from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
+from draftline.train_model import (
+    Eagle3DraftModel,
+    build_draft,
+    check_draft_with_vllm,
+    set_attention,
+)
 
 __all__ = ["train", "latest_checkpoint"]
 
@@ -53,8 +62,9 @@ log = logging.getLogger(__name__)
 GRAD_CLIP = 1.0  # speculators' Trainer
 
 
-def _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers: int, ttt_steps: int,
-                 seed: int):
+def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: torch.Tensor,
+                 t2d: torch.Tensor, num_layers: int, ttt_steps: int,
+                 seed: int) -> Eagle3DraftModel:
     # Seeded init without disturbing the caller's RNG; CPU init makes it device-independent.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -62,7 +72,8 @@ def _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers: int, ttt_ste
                            num_speculative_tokens=ttt_steps)
 
 
-def _total_steps(sampler, steps: int | None, epochs: int | None) -> int:
+def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
+                 epochs: int | None) -> int:
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
     total = steps if steps is not None else steps_in_epochs(sampler, epochs)
@@ -71,7 +82,8 @@ def _total_steps(sampler, steps: int | None, epochs: int | None) -> int:
     return total
 
 
-def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int, total_steps: int):
+def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int,
+               total_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """speculators' Trainer recipe: AdamW over trainable params, linear warm-up and decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -79,7 +91,8 @@ def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int, total_steps
     return optimizer, scheduler
 
 
-def _forward_mode(model, device: str, compile: bool | None, attention: str):
+def _forward_mode(model: Eagle3DraftModel, device: str, compile: bool | None,
+                  attention: str) -> Callable[[], contextlib.AbstractContextManager]:
     """Pick compile and kernel: compiled flex on CUDA, eager + dense SDPA elsewhere."""
     if compile is None:
         compile = device.startswith("cuda")
@@ -135,6 +148,7 @@ class _Session:
     decay: float
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """speculators' forward with targets: (summed TTT loss, per-step metric tensors)."""
         with self.forward_mode():
             _draft_tokens, loss, metrics = self.model(
                 **_to_device(batch, self.device), ttt_steps=self.ttt_steps,
@@ -199,8 +213,9 @@ def _loop(session: _Session, train_set: ShardSampleDataset, plan: list, out: Pat
     return history, rates
 
 
-def _validate(session: _Session, shards, split_index, max_tokens: int, seed: int,
-              num_workers: int) -> dict:
+def _validate(session: _Session, shards: Sequence[str | Path], split_index: str | Path,
+              max_tokens: int, seed: int, num_workers: int) -> dict:
+    """speculators' metrics averaged over the validation split ({} when it is empty)."""
     rows = load_split(split_index, "validation")
     if not len(rows):
         return {}
@@ -209,7 +224,7 @@ def _validate(session: _Session, shards, split_index, max_tokens: int, seed: int
     return session.evaluate(make_loader(dataset, batches, max_tokens, num_workers))
 
 
-def _save_draft(model, out_dir: Path, save_dtype: str) -> Path:
+def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
     """speculators' save format: config.json + model.safetensors (with d2t/t2d buffers)."""
     model.to(getattr(torch, save_dtype))  # d2t/t2d are integer/bool buffers: unchanged
     path = out_dir / "draft"

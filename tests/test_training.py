@@ -15,9 +15,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftline import tiny
-from draftline.train_data import ShardSampleDataset, load_split, make_loader, make_sampler
+from draftline.train_data import (
+    ShardSampleDataset,
+    load_split,
+    make_loader,
+    make_sampler,
+    plan_steps,
+    steps_in_epochs,
+)
+from draftline.train_checkpoint import latest_checkpoint
 from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
-from draftline.training import latest_checkpoint, train
+from draftline.training import train
 
 AUX_IDS = [2, 3, 4]
 NUM_LAYERS = 6
@@ -28,6 +36,21 @@ SHARD_LENGTHS = [[100, 130, 90, 150, 70], [120, 80, 110, 60]]
 SMALL_TRAIN = [(0, 0), (0, 1), (0, 2), (0, 3)]  # 466 tokens after the shift: one packed batch
 FULL_TRAIN = SMALL_TRAIN + [(0, 4), (1, 0), (1, 1)]  # several batches per epoch
 VALIDATION = [(1, 2), (1, 3)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread for this module.
+
+    Why: on a small shared CPU box, two OpenMP threads competing with other processes
+    stall at every parallel region (measured: 3 s per step instead of 0.2 s); one thread
+    is barely slower when the box is idle.  Every run below uses the same count, which
+    bit-identical resume also needs.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 # --------------------------------------------------------------------------- fixture data
@@ -137,6 +160,16 @@ def test_packing_respects_token_budget(data):
         assert int(batch["lengths"].sum()) <= MAX_TOKENS
 
 
+def test_step_plan_is_a_pure_function_of_seed_and_steps(data):
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    sampler = make_sampler(dataset.lengths, MAX_TOKENS, seed=0)
+    full = plan_steps(sampler, 0, 10)
+    assert [epoch for epoch, _ in full] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # step 5 is mid-epoch
+    assert steps_in_epochs(sampler, 5) == 10
+    resumed = plan_steps(sampler, 5, 10)
+    assert [(e, b.tolist()) for e, b in resumed] == [(e, b.tolist()) for e, b in full[5:]]
+
+
 def test_split_index_must_match_shards(data, tmp_path):
     bad = tmp_path / "bad.safetensors"
     save_file({"train": torch.tensor([[0, 1, 999]]), "validation": torch.zeros(0, 3).long()},
@@ -163,6 +196,22 @@ def test_dense_sdpa_matches_speculators_flex_attention(data):
         results[kind] = (loss.detach(), draft.fc.weight.grad.clone())
     torch.testing.assert_close(results["sdpa"][0], results["flex"][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results["sdpa"][1], results["flex"][1], rtol=1e-4, atol=1e-7)
+
+
+def test_draft_targets_are_the_verifier_logits(data):
+    """The final slot is post-norm, so the draft's verifier head reproduces the target."""
+    from transformers import AutoModelForCausalLM
+
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    item = dataset[5]  # shard 1 (float32), row 0
+    with safe_open(str(data["shards"][1]), framework="pt") as f:
+        ids = f.get_tensor("input_ids")[:SHARD_LENGTHS[1][0]]
+    verifier = AutoModelForCausalLM.from_pretrained(str(data["verifier"]), dtype=torch.float32)
+    with torch.no_grad():
+        logits = verifier(input_ids=ids[None]).logits[0, 1:]  # [T-1, vocab], shifted like item
+        draft = build_draft(data["verifier"], AUX_IDS, data["d2t"], data["t2d"])
+        targets = draft.verifier_lm_head(item["verifier_last_hidden_states"])  # [T-1, draft]
+    torch.testing.assert_close(targets, logits[:, data["t2d"]], rtol=1e-4, atol=1e-5)
 
 
 def test_build_draft_finds_prefixed_verifier_weights(data, tmp_path):
@@ -194,7 +243,7 @@ def test_loss_decreases_on_a_repeated_batch(data, tmp_path):
     result = _train(data, tmp_path / "run", "small", checkpoint_every=100)
     history = result["loss_history"]
     assert len(history) == 10 and result["completed"]
-    assert history[-1] < 0.8 * history[0]
+    assert history[-1] < 0.5 * history[0]
     assert set(result["final"]) >= {f"{m}_{k}" for m in ("loss", "full_acc", "cond_acc")
                                      for k in range(3)}
     assert result["validation"]["loss"] > 0
@@ -247,7 +296,8 @@ def test_saved_draft_config_and_vllm(data, uninterrupted):
     assert config["speculators_model_type"] == "eagle3"
     assert config["architectures"] == ["Eagle3DraftModel"]
     verifier = config["speculators_config"]["verifier"]
-    assert verifier == {"architectures": ["LlamaForCausalLM"], "name_or_path": str(data["verifier"])}
+    assert verifier == {"architectures": ["LlamaForCausalLM"],
+                        "name_or_path": str(data["verifier"])}
     weights = load_file(str(draft_dir / "model.safetensors"))
     assert torch.equal(weights["d2t"], data["d2t"]) and torch.equal(weights["t2d"], data["t2d"])
     assert "verifier_lm_head.weight" not in weights
