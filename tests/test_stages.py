@@ -1,0 +1,70 @@
+"""Stage entry points fail loudly: full traceback, non-zero exit, no manifest."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftline import tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_stage(stage: str, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"stages.{stage}", "experiment=tiny", *overrides],
+                          cwd=REPO, capture_output=True, text=True, env={"HYDRA_FULL_ERROR": "1",
+                                                                         "PATH": "/usr/bin:/bin"})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n{not json\n',
+     ":2"),
+    ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}\n',
+     "wizard"),
+    ('{"messages": [{"role": "user", "content": "only a question"}]}\n', "assistant"),
+])
+def test_bad_input_fails_tokenize_naming_file_and_line(tmp_path, model_dir, content, message):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    result = run_stage("tokenize", f"data.path={data}", "data.build=null",
+                       f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback (most recent call last)" in output
+    assert "DataError" in output and "bad.jsonl" in output and message in output
+    assert not (tmp_path / "run/tokenize/manifest.json").exists()
+
+
+def test_bad_input_within_budget_is_recorded(tmp_path, model_dir):
+    data = tmp_path / "data.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}'
+    data.write_text(f"{good}\n{{broken\n{good}\n")
+    result = run_stage("tokenize", f"data.path={data}", "data.build=null", "tokenize.max_skipped=1",
+                       f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    manifest = json.loads((tmp_path / "run/tokenize/manifest.json").read_text())
+    assert manifest["num_samples"] == 2
+    assert len(manifest["skipped"]) == 1 and manifest["skipped"][0]["where"].endswith(":2")
+
+
+def test_extract_refuses_bad_layer_ids_before_loading_the_model(tmp_path, model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                    '{"role": "assistant", "content": "hello"}]}\n')
+    common = [f"data.path={data}", "data.build=null", f"model.path={model_dir}",
+              f"run_dir={tmp_path / 'run'}"]
+    assert run_stage("tokenize", *common).returncode == 0
+    result = run_stage("extract", *common, "model.aux_layer_ids=[2,3,6]")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "aux_layer_ids [2, 3, 6] invalid for a 6-layer target" in output
+    assert "Initializing executor" not in output  # failed before the engine started
+    assert not (tmp_path / "run/extract/manifest.json").exists()
