@@ -10,10 +10,15 @@ What is speculators' and what is ours:
   0.3.0 hard-codes ``model.embed_tokens.weight``/``lm_head.weight`` and ``AutoConfig`` of the
   verifier, which needs remote code for Kimi.  That one step is overridden below.
 * A dense-mask SDPA attention kernel for CPU runs (see ``register_dense_attention``).
+* The precision policy (``resolve_precision``): speculators 0.3.0 trains in float32 on a
+  single GPU and in bf16 only under FSDP (``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)``).  Here one GPU gets the same split as many: float32 master weights,
+  gradients and AdamW state, bf16 compute (autocast).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -40,11 +45,16 @@ __all__ = [
     "register_dense_attention",
     "set_attention",
     "check_draft_with_vllm",
+    "PRECISIONS",
+    "Precision",
+    "resolve_precision",
+    "apply_precision",
 ]
 
 FLEX_ATTENTION = "simple_flex_attention"  # registered by speculators.models.eagle3.attention
 DENSE_ATTENTION = "draftline_dense_sdpa"
 NUM_AUX_LAYERS = 3  # speculators' fc is Linear(3 * hidden, hidden)
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,3 +301,58 @@ def check_draft_with_vllm(draft_dir: str | Path, aux_layer_ids: Sequence[int],
     if seen != expected:
         raise ValueError(f"vLLM reads {draft_dir} as {seen}, expected {expected}")
     return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How the draft computes; master weights, gradients and optimizer state stay float32.
+
+    ``bf16``: the forward runs under ``torch.autocast(bfloat16)`` -- matmuls (linear, SDPA,
+    flex attention) in bf16 with float32 accumulation, softmax/KL in float32 -- and the
+    backward follows the forward's dtypes.  ``fp32``: no autocast (speculators' single-GPU
+    default; PyTorch's default float32 matmul precision, no TF32).
+    """
+
+    name: str  # "bf16" | "fp32"
+    device_type: str  # "cuda" | "cpu"
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """What hidden-state inputs are cast to (on the device): what the first matmul takes."""
+        return torch.bfloat16 if self.name == "bf16" else torch.float32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+
+def resolve_precision(precision: str, device: str | torch.device) -> Precision:
+    """``auto`` is bf16 on CUDA and fp32 elsewhere.
+
+    Why fp32 on CPU: CPU autocast runs only the matmuls in bf16 and adds a cast around each;
+    bf16 GEMMs are fast only on CPUs with AMX/AVX512-BF16 and even there the draft's small
+    per-layer matmuls gain little (``python -m benchmarks.train --device cpu
+    --compare-precision`` measures it), while CPU runs exist for tests and tiny drafts.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    device_type = torch.device(device).type
+    if precision == "auto":
+        precision = "bf16" if device_type == "cuda" else "fp32"
+    return Precision(precision, device_type)
+
+
+def apply_precision(model: torch.nn.Module, precision: Precision) -> None:
+    """Under bf16, store the frozen verifier weights (embedding, verifier head) in bf16.
+
+    They get no gradient or optimizer state, autocast would cast the head to bf16 on every
+    call anyway, and the verifier checkpoint holds them in bf16 to begin with; halving them
+    saves GBs for large vocabularies (Kimi-K2.5: 163840 x 7168).  Trainable weights stay
+    float32 (the master copy).
+    """
+    if precision.name != "bf16":
+        return
+    for parameter in model.parameters():
+        if not parameter.requires_grad and parameter.is_floating_point():
+            parameter.data = parameter.data.to(torch.bfloat16)

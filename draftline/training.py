@@ -20,6 +20,16 @@ and restored afterwards, unlike the process-global ``torch._dynamo.config.disabl
 Resume (``draftline.train_checkpoint``): the latest complete checkpoint of the same run spec
 is loaded and the same planned batches are replayed from there (``plan_steps``), so on CPU
 (same torch thread count) a resumed run ends with bit-identical weights.
+
+Speed (``python -m benchmarks.train`` measures it): ``precision`` (``auto``: bf16 autocast
+over float32 master weights on CUDA, float32 on CPU; see ``draftline.train_model.Precision``)
+and the packed, pinned, prefetched loader of ``draftline.train_data.PackedLoader``.
+
+One process, one device.  The pieces several GPUs (torchrun) would change are kept apart:
+the sampler takes rank/world size (``make_sampler``), the model is moved and wrapped in one
+place (``_prepare_model``: DDP or FSDP's ``fully_shard`` would go there; bf16 autocast on
+top of fp32 masters is the single-GPU form of FSDP's mixed-precision policy), and metrics
+are reduced in one place (``Session.step``).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -40,23 +51,27 @@ from transformers import get_linear_schedule_with_warmup
 from draftline.artifacts import atomic_dir
 from draftline.train_checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
 from draftline.train_data import (
+    HIDDEN_KEYS,
+    PackedLoader,
     ShardSampleDataset,
     epoch_batches,
     load_split,
     load_vocab_mapping,
-    make_loader,
     make_sampler,
     plan_steps,
     steps_in_epochs,
 )
 from draftline.train_model import (
     Eagle3DraftModel,
+    Precision,
+    apply_precision,
     build_draft,
     check_draft_with_vllm,
+    resolve_precision,
     set_attention,
 )
 
-__all__ = ["train", "latest_checkpoint"]
+__all__ = ["train", "latest_checkpoint", "Session", "make_session"]
 
 log = logging.getLogger(__name__)
 GRAD_CLIP = 1.0  # speculators' Trainer
@@ -104,8 +119,20 @@ def _forward_mode(model: Eagle3DraftModel, device: str, compile: bool | None,
     return lambda: torch.compiler.set_stance("force_eager")
 
 
-def _to_device(batch: dict, device: str) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _prepare_model(model: Eagle3DraftModel, device: str, precision: Precision) -> None:
+    """Move the draft to its device in its storage dtypes (a DDP/FSDP wrap would go here)."""
+    apply_precision(model, precision)
+    model.to(device).train()
+
+
+def _model_inputs(batch: dict, device: str, dtype: torch.dtype) -> dict:
+    """The batch on ``device`` with hidden states in ``dtype``, cast after the move.
+
+    No-ops for ``PackedLoader`` batches, which arrive that way; other batches (tests,
+    benchmarks) may come in any dtype or place.
+    """
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(dtype) if k in HIDDEN_KEYS else v for k, v in moved.items()}
 
 
 class _Meter:
@@ -136,7 +163,7 @@ def _log_step(step: int, total: int, metrics: dict, lr: float, rates: dict,
 
 
 @dataclasses.dataclass
-class _Session:
+class Session:
     """What every step needs: the draft, its optimizer/schedule and how to call it."""
 
     model: torch.nn.Module
@@ -146,17 +173,22 @@ class _Session:
     forward_mode: Callable[[], contextlib.AbstractContextManager]
     ttt_steps: int
     decay: float
+    precision: Precision
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """speculators' forward with targets: (summed TTT loss, per-step metric tensors)."""
-        with self.forward_mode():
+        inputs = _model_inputs(batch, self.device, self.precision.input_dtype)
+        with self.forward_mode(), self.precision.autocast():
             _draft_tokens, loss, metrics = self.model(
-                **_to_device(batch, self.device), ttt_steps=self.ttt_steps,
-                ttt_step_loss_decay=self.decay)
+                **inputs, ttt_steps=self.ttt_steps, ttt_step_loss_decay=self.decay)
         return loss, metrics
 
     def step(self, batch: dict) -> dict:
-        """One optimizer step exactly as speculators' Trainer.train_epoch does it."""
+        """One optimizer step exactly as speculators' Trainer.train_epoch does it.
+
+        The backward runs outside autocast (it follows the forward's dtypes), so gradients
+        land in the float32 master weights and AdamW updates those.
+        """
         loss, metrics = self.forward(batch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -179,6 +211,18 @@ class _Session:
         return {k: v / count for k, v in totals.items()}
 
 
+def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
+                 total_steps: int, ttt_steps: int, decay: float = 1.0,
+                 precision: str = "auto", compile: bool | None = None,
+                 attention: str = "auto") -> Session:
+    """The draft on ``device`` with its optimizer, schedule, precision and forward mode."""
+    numerics = resolve_precision(precision, device)
+    _prepare_model(model, device, numerics)
+    optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
+    return Session(model, optimizer, scheduler, device,
+                   _forward_mode(model, device, compile, attention), ttt_steps, decay, numerics)
+
+
 def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
               vocab_mapping: str | Path, verifier_dir: str | Path,
               aux_layer_ids: Sequence[int], **hyper) -> dict:
@@ -193,12 +237,23 @@ def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
     }
 
 
-def _loop(session: _Session, train_set: ShardSampleDataset, plan: list, out: Path,
+@dataclasses.dataclass(frozen=True)
+class _LoaderSettings:
+    threads: int | None  # packing threads; None: from the CPUs this process may use
+    prefetch: int | None  # batches packed ahead; None: threads + 1
+
+    def loader(self, session: Session, dataset: ShardSampleDataset, batches: list,
+               max_tokens: int) -> PackedLoader:
+        return PackedLoader(dataset, batches, max_tokens, session.device,
+                            session.precision.input_dtype, self.threads, self.prefetch)
+
+
+def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path,
           spec: dict, start: int, stop: int, checkpoint_every: int,
-          keep_checkpoints: int | None, num_workers: int) -> tuple[list[dict], dict]:
+          keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], dict]:
     """Run the planned steps; return per-step metrics and the final rates."""
     total, max_tokens = spec["total_steps"], spec["max_tokens_per_step"]
-    loader = make_loader(train_set, [batch for _, batch in plan], max_tokens, num_workers)
+    loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
     meter, rates, history = _Meter(start, total), {}, []
     log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
     for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
@@ -213,15 +268,31 @@ def _loop(session: _Session, train_set: ShardSampleDataset, plan: list, out: Pat
     return history, rates
 
 
-def _validate(session: _Session, shards: Sequence[str | Path], split_index: str | Path,
-              max_tokens: int, seed: int, num_workers: int) -> dict:
+def _validate(session: Session, shards: Sequence[str | Path], split_index: str | Path,
+              max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
     """speculators' metrics averaged over the validation split ({} when it is empty)."""
     rows = load_split(split_index, "validation")
     if not len(rows):
         return {}
     dataset = ShardSampleDataset(shards, rows)
     batches = epoch_batches(make_sampler(dataset.lengths, max_tokens, seed), 0)
-    return session.evaluate(make_loader(dataset, batches, max_tokens, num_workers))
+    return session.evaluate(loading.loader(session, dataset, batches, max_tokens))
+
+
+def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence[int],
+                draft_vocab_size: int) -> dict | None:
+    """vLLM's reading of the saved draft; None if skipped.
+
+    ``None`` checks when vLLM is installed: training hosts need not have it (the benchmark
+    and GPU training environments do not), and nothing on the training path imports it.
+    """
+    if check_vllm is None:
+        check_vllm = importlib.util.find_spec("vllm") is not None
+        if not check_vllm:
+            log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
+    if not check_vllm:
+        return None
+    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size)
 
 
 def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
@@ -251,20 +322,27 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
           warmup_steps: int | None = None, ttt_steps: int = 3,
           ttt_step_loss_decay: float = 1.0, max_tokens_per_step: int = 512, seed: int = 0,
           device: str = "cpu", checkpoint_every: int = 100, keep_checkpoints: int | None = 2,
-          num_layers: int = 1, num_workers: int = 0, stop_after: int | None = None,
-          compile: bool | None = None, attention: str = "auto",
-          save_dtype: str = "bfloat16", check_vllm: bool = True) -> dict:
+          num_layers: int = 1, loader_threads: int | None = None,
+          prefetch_batches: int | None = None, stop_after: int | None = None,
+          compile: bool | None = None, attention: str = "auto", precision: str = "auto",
+          save_dtype: str = "bfloat16", check_vllm: bool | None = None) -> dict:
     """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
 
     ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
     time-sliced jobs; the next call resumes.  ``warmup_steps=None`` is speculators'
     default (1% of the steps).  ``compile=None`` compiles on CUDA only; ``attention="auto"``
-    is speculators' flex kernel when compiled, the dense SDPA kernel otherwise.  Returns
+    is speculators' flex kernel when compiled, the dense SDPA kernel otherwise.
+    ``precision``: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
+    ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
+    (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
+    installed.  Returns
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
-    ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``.
+    ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
+    ``precision`` (the resolved one).
     """
     out = Path(out_dir)
+    numerics = resolve_precision(precision, device)
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
     train_set = ShardSampleDataset(shards, load_split(split_index, "train"))
@@ -274,22 +352,21 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
                      total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
                      ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
-                     max_tokens_per_step=max_tokens_per_step)
-    model.to(device).train()
-    optimizer, scheduler = _optimizer(model, lr, warmup, total)
-    start, last = resume_checkpoint(out, spec, model, optimizer, scheduler, device)
-    session = _Session(model, optimizer, scheduler, device,
-                       _forward_mode(model, device, compile, attention), ttt_steps,
-                       ttt_step_loss_decay)
+                     max_tokens_per_step=max_tokens_per_step, precision=numerics.name)
+    session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
+                           ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
+                           precision=numerics.name, compile=compile, attention=attention)
+    start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
+                                    device)
+    loading = _LoaderSettings(loader_threads, prefetch_batches)
     stop = total if stop_after is None else max(start, min(total, stop_after))
     history, rates = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
-                           start, stop, checkpoint_every, keep_checkpoints, num_workers)
-    result = _summary(history, rates, start, stop, total, last)
+                           start, stop, checkpoint_every, keep_checkpoints, loading)
+    result = {**_summary(history, rates, start, stop, total, last), "precision": numerics.name}
     if stop < total:
         return result
     result["validation"] = _validate(session, shards, split_index, max_tokens_per_step, seed,
-                                     num_workers)
+                                     loading)
     result["draft_dir"] = str(_save_draft(model, out, save_dtype))
-    if check_vllm:
-        result["vllm"] = check_draft_with_vllm(result["draft_dir"], aux_layer_ids, d2t.numel())
+    result["vllm"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids, d2t.numel())
     return result

@@ -26,6 +26,11 @@ def pick_device(requested: str) -> str:
     return requested
 
 
+def auto_or(value, kind: type):
+    """``auto`` (or null) -> None, which lets training size it; else the value as ``kind``."""
+    return None if value is None or str(value) == "auto" else kind(value)
+
+
 def run(cfg: DictConfig) -> dict:
     from draftline import training
 
@@ -47,6 +52,10 @@ def run(cfg: DictConfig) -> dict:
         max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.seed),
         device=pick_device(str(cfg.train.device)), num_layers=int(cfg.train.num_layers),
         checkpoint_every=int(cfg.train.checkpoint_every),
+        precision=str(cfg.train.get("precision", "auto")),
+        compile=auto_or(cfg.train.get("compile", "auto"), bool),
+        loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
+        prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
     )
     assert result["completed"], f"training stopped at step {result['steps']} of {result['total_steps']}"
     return {

@@ -1,4 +1,5 @@
-"""Draft training on CPU: data contract, speculators' model, resume, saved format, vLLM parse.
+"""Draft training on CPU: data contract, packed loader, speculators' model, resume, saved
+format, vLLM parse.  (``-m gpu`` adds the loader's CUDA path.)
 
 The fixture writes exactly what the upstream stages produce: hidden-state shards (real
 hidden states of a tiny random Llama: aux layer inputs + the post-norm final state), a split
@@ -16,6 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from draftline import tiny
 from draftline.train_data import (
+    MappedShard,
+    PackedLoader,
     ShardSampleDataset,
     load_split,
     make_loader,
@@ -168,6 +171,68 @@ def test_step_plan_is_a_pure_function_of_seed_and_steps(data):
     assert steps_in_epochs(sampler, 5) == 10
     resumed = plan_steps(sampler, 5, 10)
     assert [(e, b.tolist()) for e, b in resumed] == [(e, b.tolist()) for e, b in full[5:]]
+
+
+def test_mapped_shard_views_match_safetensors(data):
+    shard = MappedShard(data["shards"][0])
+    with safe_open(str(data["shards"][0]), framework="pt") as f:
+        for name in f.keys():
+            view = shard.tensor(name)
+            assert view.dtype == f.get_tensor(name).dtype
+            assert torch.equal(view, f.get_tensor(name)), name
+
+
+def _planned(dataset: ShardSampleDataset, max_tokens: int, steps: int = 10) -> list:
+    return [batch for _, batch in plan_steps(make_sampler(dataset.lengths, max_tokens, 0),
+                                             0, steps)]
+
+
+def _assert_same_batch(packed: dict, reference: dict) -> None:
+    assert packed.keys() == reference.keys()
+    for key, expected in reference.items():
+        assert packed[key].shape == expected.shape, key
+        assert torch.equal(packed[key].to(expected.dtype), expected), key
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("max_tokens", [MAX_TOKENS, 96])  # 96: samples cut at the budget
+def test_packed_loader_matches_speculators_collate(data, threads, max_tokens):
+    """Same batches as DataLoader + speculators' collate, also when the ring buffers wrap."""
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    batches = _planned(dataset, max_tokens)
+    packed = PackedLoader(dataset, batches, max_tokens, threads=threads, prefetch=1)
+    reference = make_loader(dataset, batches, max_tokens)
+    count = 0
+    for fast, slow in zip(packed, reference, strict=True):
+        _assert_same_batch(fast, slow)  # before the next batch: ring buffers are reused
+        count += 1
+    assert count == len(batches) == 10
+
+
+def test_packed_loader_keeps_bf16_until_the_device(data):
+    """bf16 shards stay bf16 through packing; the cast happens where the batch lands."""
+    dataset = ShardSampleDataset(data["shards"], load_split(data["small"], "train"))
+    assert dataset.storage_dtype == torch.bfloat16
+    batches = _planned(dataset, MAX_TOKENS, steps=2)
+    raw = next(iter(PackedLoader(dataset, batches, MAX_TOKENS, threads=1)))
+    assert raw["hidden_states"].dtype == raw["verifier_last_hidden_states"].dtype == torch.bfloat16
+    cast = next(iter(PackedLoader(dataset, batches, MAX_TOKENS, hidden_dtype=torch.float32)))
+    _assert_same_batch(cast, next(iter(make_loader(dataset, batches, MAX_TOKENS))))
+
+
+@pytest.mark.gpu
+def test_packed_loader_on_cuda_matches_reference(data):
+    """Pinned buffers, side-stream copies one batch ahead, cast on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    batches = _planned(dataset, MAX_TOKENS)
+    packed = PackedLoader(dataset, batches, MAX_TOKENS, "cuda", torch.float32, threads=2,
+                          prefetch=1)
+    kept = list(packed)  # CUDA batches are separate allocations: keeping them is allowed
+    for fast, slow in zip(kept, make_loader(dataset, batches, MAX_TOKENS), strict=True):
+        assert fast["hidden_states"].is_cuda
+        _assert_same_batch({k: v.cpu() for k, v in fast.items()}, slow)
 
 
 def test_split_index_must_match_shards(data, tmp_path):

@@ -1,0 +1,522 @@
+"""Draft training throughput: bf16 vs fp32, batches on the device vs read from shards on disk.
+
+    python -m benchmarks.train                          # CUDA, Llama-3.1-8B dims, auto precision
+    python -m benchmarks.train --compare-precision      # bf16 and fp32, with their ratio
+    python -m benchmarks.train --device cpu --hidden 256 --vocab 2048 --draft-vocab 512 \\
+        --tokens-per-step 512 --steps 3 --warmup 1 --compare-precision     # CPU smoke run
+
+For each precision, the same training step (``draftline.training.Session.step``: speculators'
+forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
+``--warmup`` untimed then ``--steps`` timed steps:
+
+1. ``resident``: synthetic batches made once on the device (bf16 hidden states, as shards
+   store them) and reused -- the step alone;
+2. ``disk``: batches read from synthetic shards through the training data path
+   (``draftline.train_data.PackedLoader``: memory-mapped shards, packing by token budget with
+   speculators' sampler, pinned buffers, packing threads, device copy one step ahead).
+
+Shards (``--disk-tokens`` tokens, default enough for every step of one run) are written to
+``--workdir`` first.  Before each read the page cache for them is dropped (fsync +
+``posix_fadvise(DONTNEED)``; best effort, some kernels and sandboxes ignore it), and three
+reads are timed: a plain sequential read of the files (the disk's bandwidth), the loader
+alone (no model), and training from disk.  The verifier is a minimal directory
+(config.json + ``model.embed_tokens.weight``, tied head) of random weights; no vLLM, no
+network.
+
+Printed per run: tokens/s (real tokens, padding excluded), median step time (ms), peak
+memory (GiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU),
+achieved TFLOP/s, and the fill (real tokens / token budget).
+
+FLOPs per step (``step_flops``), matmuls only, 2 FLOPs per multiply-add; P positions per step
+(the token budget: the draft computes on padding too), H hidden, I intermediate, nh/nkv
+heads, d head dim, Vd draft vocab, K TTT steps, L draft layers, lengths l_j of the packed
+samples:
+
+    trainable forward = P * (2*3H*H                                   fc, once
+                          + K * ( 2*2H*(nh + 2*nkv)*d + 2*nh*d*H     first layer q,k,v | o
+                                  + (L-1) * (2*H*(nh + 2*nkv)*d + 2*nh*d*H)
+                                  + L * 3 * 2*H*I                    gate, up, down
+                                  + 2*H*Vd ))                        lm_head
+                      + K * L * 4*nh*d * sum_k (sum_j l_j*(l_j+1)/2 + k*P)   QK^T and PV
+    step FLOPs = 3 * trainable forward (forward + backward) + P * 2*H*Vd
+                                                     (verifier lm_head targets, forward only)
+
+Attention counts only unmasked scores (causal within a sample, plus the k earlier TTT
+positions of each token at TTT step k); kernels that compute masked blocks do more work.
+Llama-3.1-8B defaults: ~7.3 GFLOP per position.
+
+Measured on one H200 (torch 2.11, defaults, --steps 10 --warmup 3): bf16 ~64-66k tokens/s
+(124-128 ms/step, 16.2 GiB, ~470-480 TFLOP/s) resident and ~59-61k from disk at the same
+step rate; fp32 ~4.8k (1.72 s/step, 22.5 GiB, 35 TFLOP/s); bf16/fp32 13.8x.  With
+``--compile 0`` (dense-mask SDPA) bf16 runs ~31k tokens/s.  Loader alone: 2.8-4.5 GB/s
+from a cold disk whose plain sequential read gave 1.8-2.1 GB/s, 22 GB/s from page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftline.train_data import (
+    PackedLoader,
+    ShardSampleDataset,
+    load_split,
+    make_sampler,
+    plan_steps,
+)
+from draftline.train_model import build_draft
+from draftline.training import Session, make_session
+
+NUM_AUX = 3
+SLOTS = NUM_AUX + 1
+READ_CHUNK = 64 << 20  # bytes per read() in the sequential-read baseline
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    draft_vocab: int
+    layers: int
+    ttt: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
+    add("--hidden", type=int, default=4096, help="hidden size")
+    add("--intermediate", type=int, default=None, help="MLP size (default 3.5 x hidden)")
+    add("--heads", type=int, default=None, help="attention heads (default hidden / 128)")
+    add("--kv-heads", type=int, default=None, help="KV heads (default heads / 4)")
+    add("--vocab", type=int, default=128256, help="verifier vocabulary size")
+    add("--draft-vocab", type=int, default=32000, help="draft vocabulary size")
+    add("--layers", type=int, default=1, help="draft decoder layers")
+    add("--ttt", type=int, default=3, help="TTT steps")
+    add("--tokens-per-step", type=int, default=8192, help="token budget per step")
+    add("--sample-len", type=int, default=None,
+        help="mean sample length, tokens (default tokens-per-step / 8); lengths uniform in "
+             "[mean/2, 3*mean/2]")
+    add("--steps", type=int, default=20, help="timed steps per run")
+    add("--warmup", type=int, default=5, help="untimed steps before each run (compiles)")
+    add("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+        help="auto: bf16 on CUDA, fp32 on CPU")
+    add("--compare-precision", action="store_true", help="run bf16 and fp32, print ratios")
+    add("--compile", default="auto", choices=["auto", "0", "1"],
+        help="torch.compile the forward (auto: on CUDA)")
+    add("--disk-tokens", type=int, default=None,
+        help="tokens in the synthetic shards (default (warmup + steps) x tokens-per-step)")
+    add("--shard-tokens", type=int, default=65536, help="tokens per shard file")
+    add("--loader-threads", type=int, default=None, help="packing threads (default: auto)")
+    add("--prefetch", type=int, default=None, help="batches packed ahead (default: auto)")
+    add("--workdir", default=None, help="where shards and the verifier go (default: a temp "
+                                        "dir, removed afterwards)")
+    add("--seed", type=int, default=0, help="RNG seed")
+    return parser.parse_args(argv)
+
+
+def dims_from(args: argparse.Namespace) -> Dims:
+    heads = args.heads or max(1, args.hidden // 128)
+    return Dims(hidden=args.hidden, intermediate=args.intermediate or args.hidden * 7 // 2,
+                heads=heads, kv_heads=args.kv_heads or max(1, heads // 4),
+                head_dim=args.hidden // heads, vocab=args.vocab,
+                draft_vocab=args.draft_vocab, layers=args.layers, ttt=args.ttt)
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def step_flops(dims: Dims, positions: int, lengths: Iterable[int]) -> float:
+    """Matmul FLOPs of one training step (formula in the module docstring)."""
+    h, d = dims.hidden, dims.head_dim
+    qkv_out = (dims.heads + 2 * dims.kv_heads) * d
+    first = 2 * 2 * h * qkv_out + 2 * dims.heads * d * h
+    later = (dims.layers - 1) * (2 * h * qkv_out + 2 * dims.heads * d * h)
+    mlp = dims.layers * 3 * 2 * h * dims.intermediate
+    lm_head = 2 * h * dims.draft_vocab
+    per_position = 2 * 3 * h * h + dims.ttt * (first + later + mlp + lm_head)
+    causal = sum(n * (n + 1) / 2 for n in lengths)
+    scores = sum(causal + k * positions for k in range(dims.ttt))
+    attention = dims.layers * 4 * dims.heads * d * scores
+    return 3 * (positions * per_position + attention) + positions * lm_head
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def write_verifier(root: Path, dims: Dims, generator: torch.Generator) -> Path:
+    """config.json + the (tied) embedding: all the draft reads of its verifier."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": dims.hidden, "intermediate_size": dims.intermediate,
+        "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim, "num_hidden_layers": 32, "vocab_size": dims.vocab,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    embed = random_bf16((dims.vocab, dims.hidden), generator) * 0.02
+    save_file({"model.embed_tokens.weight": embed}, str(root / "model.safetensors"))
+    return root
+
+
+def random_bf16(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Standard-normal bf16 on the CPU, drawn on the GPU when there is one (GBs: ~50x faster)."""
+    if not torch.cuda.is_available():
+        return torch.randn(shape, generator=generator).to(torch.bfloat16)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    cuda = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(shape, generator=cuda, device="cuda", dtype=torch.bfloat16).cpu()
+
+
+def vocab_mapping(dims: Dims, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t int64 [draft_vocab], t2d bool [vocab]: a random draft vocabulary."""
+    selected = torch.randperm(dims.vocab, generator=generator)[: dims.draft_vocab].sort().values
+    t2d = torch.zeros(dims.vocab, dtype=torch.bool)
+    t2d[selected] = True
+    return selected - torch.arange(dims.draft_vocab), t2d
+
+
+def sample_lengths(total: int, mean: int, generator: torch.Generator) -> list[int]:
+    """Sample lengths uniform in [mean/2, 3*mean/2] (at least 2) summing to ``total``."""
+    lengths, used = [], 0
+    low, high = max(2, mean // 2), max(3, mean * 3 // 2)
+    while used < total:
+        length = min(int(torch.randint(low, high + 1, (1,), generator=generator)), total - used)
+        if length < 2:
+            break
+        lengths.append(length)
+        used += length
+    return lengths
+
+
+def resident_batches(dims: Dims, tokens: int, mean: int, device: str, count: int,
+                     generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """``count`` packed batches made on the device, as the loader delivers them (bf16)."""
+    batches = []
+    for _ in range(count):
+        lengths = sample_lengths(tokens, mean, generator)
+        positions = torch.cat([torch.arange(1, n + 1) for n in lengths])  # [tokens]
+        batch = {
+            "hidden_states": torch.randn(1, tokens, NUM_AUX * dims.hidden, generator=generator),
+            "verifier_last_hidden_states": torch.randn(1, tokens, dims.hidden,
+                                                       generator=generator),
+            "input_ids": torch.randint(0, dims.vocab, (1, tokens), generator=generator),
+            "loss_mask": torch.ones(1, tokens, dtype=torch.long),
+            "position_ids": positions[None],
+            "lengths": torch.tensor(lengths, dtype=torch.long),
+        }
+        batches.append({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                        for k, v in batch.items()})
+    return [{k: v.to(device) for k, v in b.items()} for b in batches]
+
+
+def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, mean: int,
+                 generator: torch.Generator) -> tuple[list[Path], Path]:
+    """Shards in the extract stage's format plus a split index with every sample in train."""
+    root.mkdir(parents=True, exist_ok=True)
+    lengths = sample_lengths(total_tokens, mean, generator)
+    paths, rows, first = [], [], 0
+    while first < len(lengths):
+        count, tokens = 0, 0
+        while first + count < len(lengths) and (tokens < shard_tokens or count == 0):
+            tokens += lengths[first + count]
+            count += 1
+        shard_lengths = lengths[first:first + count]
+        path = root / f"shard-{len(paths):05d}.safetensors"
+        save_file(_shard_tensors(dims, shard_lengths, first, generator), str(path))
+        rows += [(len(paths), row, n) for row, n in enumerate(shard_lengths)]
+        paths.append(path)
+        first += count
+    index = root / "split.safetensors"
+    save_file({"train": torch.tensor(rows, dtype=torch.int64),
+               "validation": torch.zeros(0, 3, dtype=torch.int64)}, str(index))
+    return paths, index
+
+
+def _shard_tensors(dims: Dims, lengths: list[int], first_id: int,
+                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    tokens = sum(lengths)
+    hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)
+    return {
+        "hidden_states": hidden,  # [tokens, slots, H]
+        "input_ids": torch.randint(0, dims.vocab, (tokens,), generator=generator),
+        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+        "sample_offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
+        "sample_ids": torch.arange(first_id, first_id + len(lengths), dtype=torch.int64),
+    }
+
+
+def drop_page_cache(paths: Iterable[Path]) -> None:
+    """Best effort: make the next read come from the disk, not from memory."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read(paths: list[Path]) -> float:
+    """GB/s of a plain sequential read of the files."""
+    buffer = bytearray(READ_CHUNK)
+    total, start = 0, time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while read := handle.readinto(buffer):
+                total += read
+    return total / (time.perf_counter() - start) / 1e9
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    tokens: int = 0
+    positions: int = 0
+    flops: float = 0.0
+    seconds: float = 0.0
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+    peak_gib: float = 0.0
+    loss: float = float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def positions_per_second(self) -> float:
+        return self.positions / self.seconds
+
+    def line(self) -> str:
+        return (f"{self.name:<14} {self.tokens_per_second:>11,.0f} tok/s  "
+                f"step {statistics.median(self.step_ms):>9.1f} ms  "
+                f"peak {self.peak_gib:>7.2f} GiB  {self.flops / self.seconds / 1e12:>8.2f} "
+                f"TFLOP/s  fill {self.tokens / self.positions:.2f}  loss {self.loss:.3f}")
+
+
+def timed_steps(name: str, session: Session, batches: Iterable[dict], dims: Dims,
+                warmup: int, steps: int) -> RunResult:
+    """Run warmup + steps; time the last ``steps`` (host clock around synchronized steps)."""
+    result = RunResult(name)
+    device = session.device
+    batches = iter(batches)
+    for _ in range(warmup):
+        session.step(next(batches))
+    synchronize(device)
+    reset_peak(device)
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = next(batches)  # waiting for the loader counts: that is the point
+        lengths = batch["lengths"].tolist()
+        positions = batch["input_ids"].shape[-1]
+        metrics = session.step(batch)  # .item() on its metrics synchronizes
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        result.seconds += elapsed
+        result.step_ms.append(elapsed * 1e3)
+        result.tokens += sum(lengths)
+        result.positions += positions
+        result.flops += step_flops(dims, positions, lengths)
+        result.loss = metrics["loss"]
+    result.peak_gib = peak_gib(device)
+    return result
+
+
+def loader_alone(loader: PackedLoader, device: str) -> tuple[float, float]:
+    """(GB/s of hidden states delivered, tokens/s) with no model running.
+
+    Timed from the first batch's arrival: buffer pinning and thread start happen once per
+    run (in training, during the first step), not per batch.
+    """
+    batches = iter(loader)
+    next(batches)
+    synchronize(device)
+    nbytes, tokens, start = 0, 0, time.perf_counter()
+    for batch in batches:
+        nbytes += sum(batch[k].numel() * batch[k].element_size()
+                      for k in ("hidden_states", "verifier_last_hidden_states"))
+        tokens += int(batch["lengths"].sum())
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return nbytes / seconds / 1e9, tokens / seconds
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    verifier: Path
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    shards: list[Path]
+    index: Path
+
+
+def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: str,
+                precision: str) -> Session:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        model = build_draft(inputs.verifier, [2, 16, 29], inputs.d2t, inputs.t2d, dims.layers,
+                            num_speculative_tokens=dims.ttt)
+    compile = None if args.compile == "auto" else args.compile == "1"
+    total = args.warmup * 2 + args.steps * 2 + 1  # keeps the LR schedule above zero
+    return make_session(model, device, lr=1e-4, warmup_steps=0, total_steps=total,
+                        ttt_steps=dims.ttt, precision=precision, compile=compile)
+
+
+def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session,
+                steps: int) -> PackedLoader:
+    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
+    batches = [batch for _, batch in plan_steps(sampler, 0, steps)]
+    return PackedLoader(dataset, batches, args.tokens_per_step, session.device,
+                        session.precision.input_dtype, args.loader_threads, args.prefetch)
+
+
+def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: str,
+                  precision: str) -> list[RunResult]:
+    torch.compiler.reset()  # a fresh model per precision: keep dynamo's recompile budget
+    session = new_session(args, dims, inputs, device, precision)
+    name = session.precision.name
+    mean = args.sample_len or max(2, args.tokens_per_step // 8)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    resident = resident_batches(dims, args.tokens_per_step, mean, device, 2, generator)
+    cycle = (resident[i % len(resident)] for i in range(args.warmup + args.steps))
+    results = [timed_steps(f"{name} resident", session, cycle, dims, args.warmup, args.steps)]
+    del resident, cycle
+    drop_page_cache(inputs.shards)
+    loader = disk_loader(args, inputs, session, args.warmup + args.steps)
+    results.append(timed_steps(f"{name} disk", session, loader, dims, args.warmup,
+                               args.steps))
+    del session
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results
+
+
+def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path) -> Inputs:
+    generator = torch.Generator().manual_seed(args.seed)
+    verifier = write_verifier(workdir / "verifier", dims, generator)
+    d2t, t2d = vocab_mapping(dims, generator)
+    tokens = args.disk_tokens or (args.warmup + args.steps) * args.tokens_per_step
+    mean = args.sample_len or max(2, args.tokens_per_step // 8)
+    start = time.perf_counter()
+    shards, index = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
+                                 generator)
+    size = sum(p.stat().st_size for p in shards)
+    print(f"shards: {len(shards)} files, {tokens:,} tokens, {size / 1e9:.2f} GB written in "
+          f"{time.perf_counter() - start:.1f} s to {workdir}", flush=True)
+    return Inputs(verifier, d2t, t2d, shards, index)
+
+
+def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
+    """The disk's sequential read, then the loader alone from disk and from memory."""
+    drop_page_cache(inputs.shards)
+    print(f"sequential read (cold cache): {sequential_read(inputs.shards):.2f} GB/s",
+          flush=True)
+    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
+    batches = [batch for _, batch in plan_steps(sampler, 0, args.warmup + args.steps)]
+    loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,
+                          args.loader_threads, args.prefetch)
+    for cache in ("cold", "warm"):  # warm: the cold pass left the shards in memory
+        if cache == "cold":
+            drop_page_cache(inputs.shards)
+        rate, tokens = loader_alone(loader, device)
+        print(f"loader alone ({cache} cache, to {device}, {loader.threads} threads, prefetch "
+              f"{loader.prefetch}): {rate:.2f} GB/s of hidden states, {tokens:,.0f} tok/s",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    dims = dims_from(args)
+    precisions = ["bf16", "fp32"] if args.compare_precision else [args.precision]
+    print(f"device {device}  dims {dataclasses.asdict(dims)}  tokens/step "
+          f"{args.tokens_per_step}  warmup {args.warmup}  steps {args.steps}  compile "
+          f"{args.compile}  torch {torch.__version__}", flush=True)
+    print(f"FLOPs per position (no attention): "
+          f"{step_flops(dims, 1, []) / 1e9:.3f} GFLOP", flush=True)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="draftline-bench-"))
+    try:
+        inputs = prepare_inputs(args, dims, workdir)
+        measure_disk(args, inputs, device)
+        results = {}
+        for precision in precisions:
+            for result in run_precision(args, dims, inputs, device, precision):
+                results[result.name] = result
+                print(result.line(), flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_summary(results, args.compare_precision)
+
+
+def print_summary(results: dict[str, RunResult], compare: bool) -> None:
+    print("\nrun            tokens/s (real)   step (median)   peak memory   achieved       "
+          "fill  last loss")
+    for result in results.values():
+        print(result.line())
+    if compare:
+        for source in ("resident", "disk"):
+            bf16, fp32 = results[f"bf16 {source}"], results[f"fp32 {source}"]
+            print(f"bf16 / fp32 tokens/s, {source}: "
+                  f"{bf16.tokens_per_second / fp32.tokens_per_second:.2f}x")
+    for name in ("bf16", "fp32"):
+        if f"{name} disk" in results:
+            # Per position, so that the disk run's looser packing does not count against it.
+            disk, resident = results[f"{name} disk"], results[f"{name} resident"]
+            print(f"{name}: step rate from disk / resident: "
+                  f"{disk.positions_per_second / resident.positions_per_second:.2f}")
+
+
+if __name__ == "__main__":
+    main()
