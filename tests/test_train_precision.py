@@ -33,6 +33,9 @@ def test_bf16_loss_tracks_fp32(runs):
     bf16 = torch.tensor(runs["bf16"][1]["loss_history"])
     assert runs["bf16"][1]["precision"] == "bf16" and runs["fp32"][1]["precision"] == "fp32"
     assert len(fp32) == len(bf16) == STEPS
+    print(f"\nloss per step  fp32: {[round(x, 5) for x in fp32.tolist()]}"
+          f"\n               bf16: {[round(x, 5) for x in bf16.tolist()]}"
+          f"\n  relative difference: {[round(x, 4) for x in ((bf16 - fp32).abs() / fp32).tolist()]}")
     assert not torch.equal(bf16, fp32), "bf16 run computed exactly like fp32: no autocast?"
     torch.testing.assert_close(bf16[0], fp32[0], rtol=FIRST_STEP_RTOL, atol=0)
     torch.testing.assert_close(bf16, fp32, rtol=RTOL, atol=ATOL)
