@@ -82,10 +82,21 @@ EXTRACT_CODE := stages/extract.py draftline/extraction.py draftline/samples.py $
 PREPARE_CODE := stages/prepare.py draftline/preparation.py $(COMMON_CODE)
 TRAIN_CODE := stages/train.py draftline/training.py draftline/train_data.py \
   draftline/train_model.py $(COMMON_CODE)
-STAMPS := $(foreach s,tokenize extract prepare train,$(RUN)/$(s)/config.json)
+EVALUATE_CODE := stages/evaluate.py draftline/evaluation.py draftline/train_model.py \
+  draftline/train_data.py $(COMMON_CODE)
+REPORT_CODE := stages/report.py draftline/report.py $(COMMON_CODE)
+TAU_GATE := tests/assets/tau_gate.json
+STAMPS := $(foreach s,tokenize extract prepare train evaluate report,$(RUN)/$(s)/config.json)
+# EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
+# cached under runs/_assets/ like any stage output.
+TRAINED_TARGET := runs/_assets/tiny-llama-trained/build.json
 
 .PHONY: FORCE
-$(STAMPS) &: FORCE $(VENV)/.setup-$(STACK)
+$(TRAINED_TARGET): draftline/target_training.py draftline/tiny.py conf/model/tiny_llama_trained.yaml \
+    $(VENV)/.setup-$(STACK)
+	$(PY) -m draftline.target_training experiment=tiny-trained
+
+$(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
 	$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
 
 $(RUN)/tokenize/manifest.json: $(RUN)/tokenize/config.json $(TOKENIZE_CODE)
@@ -96,6 +107,10 @@ $(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(RUN)/prepare/config
 	$(PY) -m stages.prepare $(STAGE_ARGS)
 $(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)
 	$(PY) -m stages.train $(STAGE_ARGS)
+$(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json $(RUN)/evaluate/config.json $(EVALUATE_CODE) $(TAU_GATE)
+	$(PY) -m stages.evaluate $(STAGE_ARGS)
+$(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(RUN)/report/config.json $(REPORT_CODE)
+	$(PY) -m stages.report $(STAGE_ARGS)
 
 .PHONY: tokenize extract prepare train all
 tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
@@ -104,13 +119,20 @@ prepare: $(RUN)/prepare/manifest.json ## Train/validation split and the trainer'
 train: $(RUN)/train/manifest.json ## Train the EAGLE-3 draft with speculators
 all: train ## Every stage, rerunning only stale ones
 
+.PHONY: target evaluate report
+target: $(TRAINED_TARGET) ## Train the tiny target of EXP=tiny-trained (cached under runs/_assets/)
+evaluate: $(RUN)/evaluate/manifest.json ## Draft acceptance (tau) vs baselines, live loop, vLLM load; tau gate
+report: $(RUN)/report/manifest.json ## One HTML page of the run under runs/<EXP>/report/
+
 .PHONY: status
 status: $(STAMPS) ## Say which stages are stale and why
 	@$(PY) -m draftline.status show \
 	  tokenize=$(RUN)/tokenize/manifest.json:$(call deps,$(RUN)/tokenize/config.json $(TOKENIZE_CODE)) \
 	  extract=$(RUN)/extract/manifest.json:$(call deps,$(RUN)/tokenize/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)) \
 	  prepare=$(RUN)/prepare/manifest.json:$(call deps,$(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)) \
-	  train=$(RUN)/train/manifest.json:$(call deps,$(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE))
+	  train=$(RUN)/train/manifest.json:$(call deps,$(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)) \
+	  evaluate=$(RUN)/evaluate/manifest.json:$(call deps,$(RUN)/train/manifest.json $(RUN)/evaluate/config.json $(EVALUATE_CODE) $(TAU_GATE)) \
+	  report=$(RUN)/report/manifest.json:$(call deps,$(RUN)/evaluate/manifest.json $(RUN)/report/config.json $(REPORT_CODE))
 comma := ,
 empty :=
 space := $(empty) $(empty)

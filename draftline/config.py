@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-STAGES = ("tokenize", "extract", "prepare", "train")
+STAGES = ("tokenize", "extract", "prepare", "train", "evaluate", "report")
 # The config groups each stage reads. Upstream changes reach a stage through the upstream
 # manifest, so a stage's stamp holds only what it reads itself.
 STAGE_KEYS = {
@@ -20,6 +20,8 @@ STAGE_KEYS = {
     "extract": ("model", "extract"),
     "prepare": ("prepare", "seed"),
     "train": ("model", "train", "seed"),
+    "evaluate": ("model", "evaluate", "seed"),
+    "report": ("report",),
 }
 
 

@@ -1,0 +1,68 @@
+"""report: one self-contained HTML page of a run, plus its PNG figures.
+
+    make report EXP=tiny-trained          # or: python -m stages.report experiment=tiny-trained
+
+Reads only manifests (and the tokenize vocab counts, the train log for per-TTT curves);
+writes <run_dir>/report/index.html with the figures embedded, and the same figures as PNGs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from draftline import artifacts, config
+from draftline.stage import run_stage
+
+UPSTREAM = ("tokenize", "extract", "prepare", "train", "evaluate")
+
+
+def run(cfg: DictConfig) -> dict:
+    from safetensors.torch import load_file
+
+    from draftline import report
+
+    manifests = {stage: artifacts.read_manifest(config.stage_dir(cfg, stage)) for stage in UPSTREAM}
+    evaluation = {**artifacts.read_json(config.stage_dir(cfg, "evaluate") / manifests["evaluate"]["results"]),
+                  "gate": manifests["evaluate"]["gate"]}
+    vocab = config.stage_dir(cfg, "tokenize") / manifests["tokenize"]["vocab"]
+    token_freq = load_file(str(vocab))["token_freq"]  # [target_vocab] masked-token counts
+    history, source = report.training_history(manifests["train"], Path(cfg.run_dir) / "logs" / "train.log")
+    dpi = int(cfg.report.dpi)
+    figures = {
+        "training": report.training_figure(manifests["train"], history, source, dpi),
+        "acceptance": report.acceptance_figure(evaluation, dpi),
+        "coverage": report.coverage_figure(token_freq, int(manifests["tokenize"]["draft_vocab_size"]), dpi),
+        "extraction": report.extraction_figure(manifests["extract"], dpi),
+    }
+    out_dir = config.stage_dir(cfg, "report")
+    for figure in figures.values():
+        with artifacts.atomic_path(out_dir / figure.name) as tmp:
+            tmp.write_bytes(figure.png)
+    title = cfg.report.title or f"draftline run {cfg.exp}"
+    # A target trained by draftline.target_training carries its build record.
+    build = Path(manifests["extract"]["target"]) / "build.json"
+    target_build = artifacts.read_json(build) if build.exists() else None
+    with artifacts.atomic_path(out_dir / "index.html") as tmp:
+        tmp.write_text(report.render(title, manifests, evaluation, figures, source, target_build))
+    files = ["index.html", *(f.name for f in figures.values())]
+    return {
+        "page": "index.html",
+        "files": {name: artifacts.sha256_file(out_dir / name) for name in files},
+        "training_history_source": source,
+        "inputs": {f"{stage}_manifest_sha256":
+                   artifacts.sha256_file(config.stage_dir(cfg, stage) / artifacts.MANIFEST)
+                   for stage in UPSTREAM},
+        "skipped": [] if history else [{"what": "per-TTT training curves", "reason": source}],
+    }
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_stage("report", cfg, run)
+
+
+if __name__ == "__main__":
+    main()

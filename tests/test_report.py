@@ -1,0 +1,114 @@
+"""The report stage on a synthetic run: log parsing, a self-contained page, headless rendering."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from draftline import artifacts, config, report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LOG = """\
+- step 1/3 loss 3.0 | ttt0 loss 1.0 acc 0.1 cond 0.1 | ttt1 loss 1.0 acc 0.0 cond 0.0 | lr 1e-4
+- step 2/3 loss 2.0 | ttt0 loss 0.5 acc 0.5 cond 0.5 | ttt1 loss 1.5 acc 0.2 cond 0.4 | lr 1e-4
+- step 1/2 loss 9.0 | ttt0 loss 9.0 acc 0.0 cond 0.0 | ttt1 loss 9.0 acc 0.0 cond 0.0 | lr 1e-4
+- step 1/3 loss 2.5 | ttt0 loss 0.9 acc 0.2 cond 0.2 | ttt1 loss 1.6 acc 0.1 cond 0.5 | lr 1e-4
+- step 2/3 loss 2.4 | ttt0 loss 0.8 acc 0.3 cond 0.3 | ttt1 loss 1.6 acc 0.1 cond 0.3 | lr 1e-4
+- step 3/3 loss 2.3 | ttt0 loss 0.7 acc 0.4 cond 0.4 | ttt1 loss 1.6 acc 0.2 cond 0.5 | lr 1e-4
+"""
+
+
+def test_train_log_gives_the_last_complete_run():
+    rows = report.parse_train_log(LOG, total_steps=3)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["loss"] == 2.5 and rows[2]["full_acc_0"] == 0.4 and rows[1]["cond_acc_1"] == 0.3
+
+
+def _result(tau: float, k: int = 2) -> dict:
+    return {"tau": tau, "tau_ci": [tau - 0.05, tau + 0.05], "acceptance": [0.5, 0.4],
+            "acceptance_ci": [[0.45, 0.55], [0.3, 0.5]], "steps": 100, "samples": 4}
+
+
+def _provenance() -> dict:
+    return {"config": {}, "config_sha256": "ab" * 32, "versions": {"vllm": "0.16.0", "torch": "2.10.0"},
+            "patches": [{"name": "0001-x.diff", "sha256": "cd" * 32}], "git": "deadbeef", "python": "3.11",
+            "host": "h"}
+
+
+def _write(stage_dir: Path, manifest: dict) -> None:
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    artifacts.write_json(stage_dir / artifacts.MANIFEST, {**manifest, "provenance": _provenance()})
+
+
+@pytest.fixture()
+def run_dir(tmp_path) -> Path:
+    """Manifests shaped like a real run's (k = 2), small enough to write by hand."""
+    run = tmp_path / "run"
+    save_file({"token_freq": torch.arange(64, 0, -1)}, str(tmp_path / "vocab.safetensors"))
+    (run / "tokenize").mkdir(parents=True)
+    shutil.copy(tmp_path / "vocab.safetensors", run / "tokenize/vocab.safetensors")
+    _write(run / "tokenize", {"vocab": "vocab.safetensors", "draft_vocab_size": 16, "target_vocab_size": 64,
+                              "draft_vocab_coverage": 0.5})
+    _write(run / "extract", {"target": "t", "num_tokens": 300, "num_samples": 3, "tokens_per_second": 1234.5,
+                             "shards": [{"tokens": 200}, {"tokens": 100}], "resumed_shards": 0,
+                             "bytes_per_token": {"on_disk": 2057.0}})
+    _write(run / "prepare", {})
+    _write(run / "train", {"metrics": {"loss_history": [3.0, 2.0, 1.5], "total_steps": 3, "steps": 3,
+                                       "final": {"loss_0": 0.7, "full_acc_0": 0.4, "loss_1": 1.6},
+                                       "validation": {"loss_0": 0.8, "full_acc_0": 0.3, "cond_acc_0": 0.3}}})
+    results = {"draft": "d", "k": 2, "held_out_samples": 4, "alignment": "start t ...",
+               "ci": {"method": "bootstrap over samples", "resamples": 100, "level": 0.95},
+               "offline": {"eagle3": _result(1.9), "most_frequent": _result(1.1), "bigram": _result(1.4)},
+               "baselines_from": "training counts", "draft_vocab_coverage_of_greedy": 0.9,
+               "live": {"free_running": {"live": _result(2.0), "simulated": _result(2.0),
+                                         "agreement": {"statistic": "tau", "difference": 0.0,
+                                                       "ci": [0.0, 0.0], "agrees": True}}},
+               "vllm": None}
+    (run / "evaluate").mkdir()
+    artifacts.write_json(run / "evaluate/results.json", results)
+    _write(run / "evaluate", {"results": "results.json", "skipped": [],
+                              "gate": {"checked": True, "passed": True, "tau_min": 1.5, "tau": 1.9}})
+    (run / "logs").mkdir()
+    (run / "logs/train.log").write_text(LOG)
+    return run
+
+
+def test_report_is_one_self_contained_page(run_dir):
+    from stages.report import run
+
+    cfg = config.compose(["experiment=tiny", f"run_dir={run_dir}"])
+    fields = run(cfg)
+    page = (run_dir / "report/index.html").read_text()
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == 4 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
+    assert not re.search(r'(src|href)="(?!data:)', page), "the page must not load anything"
+    for name in ("training.png", "acceptance.png", "coverage.png", "extraction.png"):
+        assert (run_dir / "report" / name).read_bytes().startswith(PNG_MAGIC)
+    for text in ("1.900", "bigram", "most_frequent", "0001-x.diff", "abababababababab", "1234", "passed"):
+        assert text in page, text
+    assert fields["training_history_source"].endswith("train.log")
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
+def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+    from stages.report import run
+
+    run(config.compose(["experiment=tiny", f"run_dir={run_dir}"]))
+    shot = tmp_path / "shot.png"
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={profile}", "--window-size=1280,2400", f"--screenshot={shot}",
+                        (run_dir / "report/index.html").as_uri()],
+                       check=True, capture_output=True, timeout=120)
+    assert shot.read_bytes().startswith(PNG_MAGIC) and shot.stat().st_size > 50_000
+    print(json.dumps({"screenshot_bytes": shot.stat().st_size}))
