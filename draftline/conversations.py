@@ -23,12 +23,13 @@ import importlib
 import inspect
 import json
 import os
-import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from draftline.artifacts import atomic_path
 
 __all__ = [
     "Conversation",
@@ -345,19 +346,6 @@ def write_default_conversations(out_path: str | os.PathLike[str], max_bytes: int
         total += len(line)
     if not lines:
         raise ValueError(f"max_bytes={max_bytes} is too small for even one conversation")
-    _atomic_write(Path(out_path), b"".join(lines))
+    with atomic_path(out_path) as tmp:
+        tmp.write_bytes(b"".join(lines))
     return len(lines)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temporary sibling and rename, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

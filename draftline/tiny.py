@@ -27,11 +27,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from draftline.artifacts import atomic_dir
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -85,33 +84,6 @@ _CORPUS_MODULES = (
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-@contextlib.contextmanager
-def _atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary sibling of ``out_dir``; on success move it into place.
-
-    An existing ``out_dir`` is replaced.  On error the temporary directory is
-    removed and ``out_dir`` is left untouched.
-    """
-    out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        for f in tmp.rglob("*"):
-            os.chmod(f, 0o755 if f.is_dir() else 0o644)
-        old = None
-        if out.exists() or out.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "d")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @contextlib.contextmanager
@@ -234,7 +206,7 @@ def build_tokenizer(out_dir, corpus: list[str] | None = None, vocab_size: int = 
     """
     from transformers import PreTrainedTokenizerFast
 
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         _write_tokenizer(tmp, corpus, vocab_size)
     return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
 
@@ -263,7 +235,7 @@ def build_tiny_llama(
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         tok = _write_tokenizer(tmp, None, vocab_size)
         config = LlamaConfig(
             vocab_size=vocab_size,
@@ -357,7 +329,7 @@ def build_tiny_deepseek_v3(
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         }
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         tok = _write_tokenizer(tmp, None, vocab_size)
         config = DeepseekV3Config(
             vocab_size=vocab_size,
