@@ -59,24 +59,24 @@ def _make_generator(model_dir, layer_ids):
     )
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory, cpu_engine_env):
-    model_dir = tiny.build_tiny_llama(
-        tmp_path_factory.mktemp("llama") / "model", num_layers=NUM_LLAMA_LAYERS
-    )
-    generator = _make_generator(model_dir, LLAMA_AUX_IDS)
+def _built_engine(tmp_path_factory, name, builder, num_layers, aux_ids):
+    """Build a tiny target and start the generator on it; shut it down after the module."""
+    model_dir = builder(tmp_path_factory.mktemp(name) / "model", num_layers=num_layers)
+    generator = _make_generator(model_dir, aux_ids)
     yield model_dir, generator
     generator.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, cpu_engine_env):
+    yield from _built_engine(tmp_path_factory, "llama", tiny.build_tiny_llama,
+                             NUM_LLAMA_LAYERS, LLAMA_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory, cpu_engine_env):
-    model_dir = tiny.build_tiny_deepseek_v3(
-        tmp_path_factory.mktemp("dsv3") / "model", num_layers=NUM_DSV3_LAYERS
-    )
-    generator = _make_generator(model_dir, DSV3_AUX_IDS)
-    yield model_dir, generator
-    generator.shutdown()
+    yield from _built_engine(tmp_path_factory, "dsv3", tiny.build_tiny_deepseek_v3,
+                             NUM_DSV3_LAYERS, DSV3_AUX_IDS)
 
 
 def _slot_differences(model_dir, aux_ids, num_layers, prompts, results):
