@@ -78,15 +78,17 @@ STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
 COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py
 TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py \
   draftline/vocab.py draftline/samples.py $(COMMON_CODE)
+REGENERATE_CODE := stages/regenerate.py draftline/regeneration.py draftline/samples.py \
+  draftline/vocab.py $(COMMON_CODE)
 EXTRACT_CODE := stages/extract.py draftline/extraction.py draftline/samples.py $(COMMON_CODE)
 PREPARE_CODE := stages/prepare.py draftline/preparation.py $(COMMON_CODE)
 TRAIN_CODE := stages/train.py draftline/training.py draftline/train_data.py \
   draftline/train_model.py $(COMMON_CODE)
-EVALUATE_CODE := stages/evaluate.py draftline/evaluation.py draftline/train_model.py \
+EVALUATE_CODE := stages/evaluate.py draftline/evaluation.py draftline/regeneration.py draftline/train_model.py \
   draftline/train_data.py $(COMMON_CODE)
 REPORT_CODE := stages/report.py draftline/report.py $(COMMON_CODE)
 TAU_GATE := tests/assets/tau_gate.json
-STAMPS := $(foreach s,tokenize extract prepare train evaluate report,$(RUN)/$(s)/config.json)
+STAMPS := $(foreach s,tokenize regenerate extract prepare train evaluate report,$(RUN)/$(s)/config.json)
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
 # cached under runs/_assets/ like any stage output.
 TRAINED_TARGET := runs/_assets/tiny-llama-trained/build.json
@@ -101,7 +103,9 @@ $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(
 
 $(RUN)/tokenize/manifest.json: $(RUN)/tokenize/config.json $(TOKENIZE_CODE)
 	$(PY) -m stages.tokenize $(STAGE_ARGS)
-$(RUN)/extract/manifest.json: $(RUN)/tokenize/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)
+$(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json $(RUN)/regenerate/config.json $(REGENERATE_CODE)
+	$(PY) -m stages.regenerate $(STAGE_ARGS)
+$(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)
 	$(PY) -m stages.extract $(STAGE_ARGS)
 $(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)
 	$(PY) -m stages.prepare $(STAGE_ARGS)
@@ -112,8 +116,9 @@ $(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json $(RUN)/evaluate/config
 $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(RUN)/report/config.json $(REPORT_CODE)
 	$(PY) -m stages.report $(STAGE_ARGS)
 
-.PHONY: tokenize extract prepare train all
+.PHONY: tokenize regenerate extract prepare train all
 tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
+regenerate: $(RUN)/regenerate/manifest.json ## Optionally the target's own greedy replies (vLLM), then d2t/t2d
 extract: $(RUN)/extract/manifest.json ## Target hidden states via vLLM into safetensors shards
 prepare: $(RUN)/prepare/manifest.json ## Train/validation split and the trainer's index
 train: $(RUN)/train/manifest.json ## Train the EAGLE-3 draft with speculators
@@ -128,7 +133,8 @@ report: $(RUN)/report/manifest.json ## One HTML page of the run under runs/<EXP>
 status: $(STAMPS) ## Say which stages are stale and why
 	@$(PY) -m draftline.status show \
 	  tokenize=$(RUN)/tokenize/manifest.json:$(call deps,$(RUN)/tokenize/config.json $(TOKENIZE_CODE)) \
-	  extract=$(RUN)/extract/manifest.json:$(call deps,$(RUN)/tokenize/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)) \
+	  regenerate=$(RUN)/regenerate/manifest.json:$(call deps,$(RUN)/tokenize/manifest.json $(RUN)/regenerate/config.json $(REGENERATE_CODE)) \
+	  extract=$(RUN)/extract/manifest.json:$(call deps,$(RUN)/regenerate/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)) \
 	  prepare=$(RUN)/prepare/manifest.json:$(call deps,$(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)) \
 	  train=$(RUN)/train/manifest.json:$(call deps,$(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)) \
 	  evaluate=$(RUN)/evaluate/manifest.json:$(call deps,$(RUN)/train/manifest.json $(RUN)/evaluate/config.json $(EVALUATE_CODE) $(TAU_GATE)) \
@@ -139,8 +145,10 @@ space := $(empty) $(empty)
 deps = $(subst $(space),$(comma),$(strip $(1)))
 
 .PHONY: smoke
-smoke: setup ## Whole pipeline on the embedded tiny run (CPU), from a fresh clone
-	$(MAKE) --no-print-directory all EXP=tiny
+# The gated run: a tiny target trained on the bundled corpus (`make target`), its own greedy
+# replies, a draft trained on them, evaluate (fails below the tau floor in tests/assets) and report.
+smoke: setup ## Whole pipeline on the embedded trained tiny target (CPU), tau gate, report
+	$(MAKE) --no-print-directory report EXP=tiny-trained
 
 # ---- images -----------------------------------------------------------------------------
 # One multi-stage Dockerfile, targets gpu and cpu (see its header). The docker client must

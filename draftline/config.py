@@ -12,11 +12,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-STAGES = ("tokenize", "extract", "prepare", "train", "evaluate", "report")
+STAGES = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate", "report")
 # The config groups each stage reads. Upstream changes reach a stage through the upstream
 # manifest, so a stage's stamp holds only what it reads itself.
 STAGE_KEYS = {
     "tokenize": ("model", "data", "tokenize", "seed"),
+    "regenerate": ("model", "regenerate", "seed"),
     "extract": ("model", "extract"),
     "prepare": ("prepare", "seed"),
     "train": ("model", "train", "seed"),
@@ -57,12 +58,14 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
         raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
     resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
     resolved["run_dir"] = str(cfg.run_dir)
+    if stage == "regenerate":  # which layers extract captures does not change the replies
+        del resolved["model"]["aux_layer_ids"]
     if stage == "tokenize":
         resolved["inputs"] = {
             "data": input_fingerprint(cfg.data.path),
             "model_config": input_fingerprint(Path(cfg.model.path) / "config.json"),
         }
-    if stage == "extract":
+    if stage in ("regenerate", "extract"):
         resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
     return resolved
 

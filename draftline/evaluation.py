@@ -2,7 +2,7 @@
 
 Offline (``evaluate_offline``): greedy chain drafting simulated on the held-out split's stored
 hidden states, for the trained draft and two frequency baselines, scored against the target's
-greedy tokens.  Live (``live_free_running``, ``live_heldout_contexts``): a real greedy
+greedy tokens.  Live (``live_vs_offline``, ``live_heldout_contexts``): a real greedy
 speculative-decoding loop, target in transformers, on held-out prompts.  Loadability
 (``check_vllm_load``): vLLM's own config parser and Eagle3 loader read the saved draft.
 
@@ -31,7 +31,8 @@ Alignment (positions are 0-based token indices of one held-out sample ``x_0..x_{
 * ``y_{t+j}`` for ``j >= 2`` is the target's greedy token after the *data* prefix
   ``x_{..t+j}``; at serving it follows ``x_{..t+1}, d_1, ..`` instead.  The two agree where
   the data is the target's own greedy text (then the walk takes exactly the real loop's steps
-  and verdicts, which ``live_free_running`` checks); on other text the offline number is
+  and verdicts, which ``live_vs_offline`` checks; ``regenerate.replies=target`` makes the
+  data the target's own); on other text the offline number is
   teacher-forced beyond the first position (as speculators' ``cond_acc``), ``on_policy``
   reports how often the stored context was the greedy one, and ``live_heldout_contexts``
   measures the resulting gap with real verification on the same steps.
@@ -606,12 +607,6 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, stop_ids:
     return out[0, len(prompt):].tolist()
 
 
-def reply_prompts(samples: Sequence[Sample], limit: int) -> list[torch.Tensor]:
-    """Held-out prompts: each sample's tokens up to the start of each assistant reply."""
-    prompts = [sample.input_ids[:r] for sample in samples for r in reply_starts(sample.loss_mask)]
-    return prompts[:limit]
-
-
 def _statistic(totals: torch.Tensor, which: str) -> torch.Tensor:
     """tau or conditional acceptance at position j ("p1", "p2", ...) from counts [..., k + 1]."""
     if which == "tau":
@@ -651,35 +646,49 @@ def hf_sample(target, tokens: torch.Tensor, reply_from: int, aux_ids: Sequence[i
                   out.logits[0].argmax(-1))
 
 
-def live_free_running(target, runner: DraftRunner, prompts: Sequence[torch.Tensor],
-                      aux_ids: Sequence[int], k: int, max_new_tokens: int,
-                      stop_ids: Sequence[int], stats: dict) -> dict:
-    """The real loop from held-out prompts vs the offline simulation on the text it generated.
+def reply_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of every assistant reply (run of loss-mask ones)."""
+    mask = torch.cat([torch.zeros(1, dtype=torch.long), loss_mask.long(), torch.zeros(1, dtype=torch.long)])
+    edges = mask[1:] - mask[:-1]  # +1 where a run starts, -1 one past where it ends
+    return list(zip((edges == 1).nonzero().flatten().tolist(),
+                    (edges == -1).nonzero().flatten().tolist(), strict=True))
 
-    The generated text is the target's greedy text, so every stored context is the serving
-    context: the simulation's walk must take the loop's steps with the loop's verdicts.  Only
-    the walk's steps are compared (it stops where a step would run past the generated text).
+
+def live_vs_offline(target, runner: DraftRunner, samples: Sequence[Sample], aux_ids: Sequence[int],
+                    k: int, stop_ids: Sequence[int], stats: dict, limit: int | None = None) -> dict:
+    """The real loop from each stored reply's prompt vs the offline walk through that reply.
+
+    Per reply (at most ``limit``): the loop starts from the stored tokens before the reply and
+    generates until a stop token or the stored reply's length; the offline estimate walks the
+    stored reply on its stored states.  Where the stored reply is the target's own greedy
+    reply (``regenerate.replies=target``), the loop reproduces it token for token
+    (``text_mismatches`` counts replies where it did not) and every stored context is the one
+    the loop verifies, so both take the same steps with the same verdicts: the loop's tau must
+    fall inside the offline CI and their paired difference must contain 0.  Only the walk's
+    steps are compared (it stops where a step would run past the stored reply).
     """
-    live, simulated, mismatches, diverged = [], [], 0, 0
+    live, offline, text_mismatches, other_verdicts = [], [], 0, 0
     proposer = Eagle3Draft(runner)
-    for prompt in prompts:
-        result = speculative_generate(target, runner, prompt, aux_ids, k, max_new_tokens, stop_ids)
-        sample = hf_sample(target, torch.cat([prompt, torch.tensor(result.tokens)]), len(prompt), aux_ids)
-        # Losslessness: the target's greedy token after every generated position is the next
-        # one (counted, not asserted: a cached and a full forward may split an exact fp32 tie).
-        generated = torch.arange(len(prompt), len(sample.input_ids) - 1)
-        mismatches += int((sample.target_next[generated] != sample.input_ids[generated + 1]).sum())
-        sim = simulate(proposer, [sample], k)[0]
+    replies = [(sample, a, b) for sample in samples for a, b in reply_spans(sample.loss_mask)]
+    for sample, a, b in replies[:limit]:
+        mask = torch.zeros_like(sample.loss_mask)
+        mask[a:b] = True
+        sim = simulate(proposer, [dataclasses.replace(sample, loss_mask=mask)], k)[0]
         steps = sim.accepted[sim.steps]
+        result = speculative_generate(target, runner, sample.input_ids[:a], aux_ids, k, b - a, stop_ids)
+        text_mismatches += result.tokens != sample.input_ids[a:b].tolist()
         loop = torch.tensor(result.accepted[: len(steps)], dtype=torch.long)
-        diverged += int((loop != steps[: len(loop)]).sum())
+        other_verdicts += int((loop != steps[: len(loop)]).sum())
         live.append(loop)
-        simulated.append(steps[: len(loop)])
-    live_counts, sim_counts = Counts.from_lengths(live, k), Counts.from_lengths(simulated, k)
-    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "greedy_mismatches": mismatches, "steps_with_other_verdict": diverged,
-            "live": bootstrap(live_counts, **stats), "simulated": bootstrap(sim_counts, **stats),
-            "agreement": paired_difference(live_counts, sim_counts, "tau", **stats)}
+        offline.append(steps[: len(loop)])
+    live_counts, off_counts = Counts.from_lengths(live, k), Counts.from_lengths(offline, k)
+    live_result, off_result = bootstrap(live_counts, **stats), bootstrap(off_counts, **stats)
+    paired = paired_difference(live_counts, off_counts, "tau", **stats)
+    inside = off_result["tau_ci"][0] <= live_result["tau"] <= off_result["tau_ci"][1]
+    return {"replies": len(live), "text_mismatches": text_mismatches,
+            "steps_with_other_verdict": other_verdicts,
+            "live": live_result, "offline": off_result, "paired_difference": paired,
+            "live_tau_inside_offline_ci": inside, "agrees": inside and paired["agrees"]}
 
 
 def live_heldout_contexts(target, runner: DraftRunner, samples: Sequence[Sample],
@@ -712,16 +721,6 @@ def load_target(target_dir: str | Path):
 
     return AutoModelForCausalLM.from_pretrained(
         str(target_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
-
-
-def stop_token_ids(target_dir: str | Path) -> list[int]:
-    """eos ids of the target's generation_config.json (where generation ends)."""
-    path = Path(target_dir) / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
-    if eos is None:
-        eos = json.loads((Path(target_dir) / "config.json").read_text()).get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos]
-    return [int(i) for i in ids if i is not None]
 
 
 # --------------------------------------------------------------------------- vLLM loadability

@@ -118,7 +118,7 @@ def check_disk(out_dir: Path, remaining_tokens: int, per_token: int, headroom: f
 def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
     """A shard on disk counts only if the same inputs and config made the planned samples.
 
-    ``fingerprint`` hashes the tokenize manifest and the extract config, so a shard left by
+    ``fingerprint`` hashes the regenerate manifest and the extract config, so a shard left by
     a run with other aux ids or other data is redone, never reused.
     """
     if not path.exists():

@@ -28,7 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss ([0-9.eE+-]+) \| (.*?) \| lr")
 TTT_PART = re.compile(r"ttt(\d+) loss ([0-9.eE+-]+) acc ([0-9.eE+-]+) cond ([0-9.eE+-]+)")
 COLORS = {"eagle3": "#1f77b4", "bigram": "#ff7f0e", "most_frequent": "#7f7f7f"}
-LIVE_PARTS = (("free_running", "live, free-running"), ("heldout_contexts", "live, held-out contexts"))
+LIVE_PARTS = (("stored_replies", "live, held-out replies", "replies"),
+              ("heldout_contexts", "live, held-out contexts", "steps"))
 
 
 @dataclasses.dataclass
@@ -148,7 +149,7 @@ def acceptance_figure(evaluation: dict, dpi: int) -> Figure:
         labels.append(name), taus.append(r["tau"]), colors.append(COLORS.get(name, "#999999"))
         errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
     live = evaluation.get("live") or {}
-    for key, label in (("free_running", "live (free-running)"), ("heldout_contexts", "live (held-out ctx)")):
+    for key, label in (("stored_replies", "live (held-out replies)"), ("heldout_contexts", "live (held-out ctx)")):
         if key in live:
             r = live[key]["live"]
             labels.append(label), taus.append(r["tau"]), colors.append("#2ca02c")
@@ -181,7 +182,7 @@ def coverage_figure(token_freq: Any, draft_vocab_size: int, dpi: int) -> Figure:
     ax.annotate(f"draft vocab {draft_vocab_size}: {chosen:.1%}", (draft_vocab_size, chosen),
                 textcoords="offset points", xytext=(8, -14), fontsize=8)
     ax.set(xscale="log", xlabel="most frequent target ids kept", ylabel="masked tokens covered",
-           ylim=(0, 1.02), title="draft vocabulary coverage (tokenize counts)")
+           ylim=(0, 1.02), title="draft vocabulary coverage (training data counts)")
     ax.grid(alpha=0.3)
     return Figure("coverage.png", _png(fig), "Cumulative share of assistant (masked) tokens "
                   "covered by the most frequent target ids; the dashed line is the draft vocabulary.")
@@ -229,14 +230,14 @@ def acceptance_rows(evaluation: dict) -> list[list[Any]]:
     for name, r in evaluation["offline"].items():
         rows.append([name, "offline (stored states)", r["tau"], ci(r["tau_ci"]),
                      ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
-    for key, label in LIVE_PARTS:
+    for key, label, unit in LIVE_PARTS:
         part = (evaluation.get("live") or {}).get(key)
         if part:
             r = part["live"]
             rows.append(["eagle3", label, r["tau"], ci(r["tau_ci"]),
                          ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
-            other = part.get("simulated") or part.get("offline")
-            rows.append(["eagle3", f"offline on the same {'text' if 'simulated' in part else 'steps'}",
+            other = part["offline"]
+            rows.append(["eagle3", f"offline on the same {unit}",
                          other["tau"], ci(other["tau_ci"]),
                          ", ".join(f"{a:.3f}" for a in other["acceptance"]), other["steps"]])
     return rows
@@ -245,7 +246,12 @@ def acceptance_rows(evaluation: dict) -> list[list[Any]]:
 def agreement_rows(evaluation: dict) -> list[list[Any]]:
     live = evaluation.get("live") or {}
     rows = []
-    checks = [("free_running", "agreement", "live vs simulation on the generated text"),
+    stored = live.get("stored_replies")
+    if stored:
+        rows.append(["live tau inside the offline CI, same held-out replies", "tau",
+                     stored["live"]["tau"], ci(stored["offline"]["tau_ci"]),
+                     "yes" if stored["live_tau_inside_offline_ci"] else "no"])
+    checks = [("stored_replies", "paired_difference", "live vs offline, same held-out replies"),
               ("heldout_contexts", "first_position", "live vs offline, held-out contexts"),
               ("heldout_contexts", "tau_gap",
                "live vs offline, held-out contexts (teacher-forcing gap, expected >= 0)")]
@@ -291,7 +297,7 @@ figure{margin:8px 0 20px}img{max-width:100%;border:1px solid #eee}figcaption{col
 """
 
 
-def kpis(evaluation: dict, tokenize: dict, extract: dict) -> str:
+def kpis(evaluation: dict, data: dict, extract: dict) -> str:
     off = evaluation["offline"]
     gate = evaluation.get("gate") or {}
     gate_text = ("not configured" if not gate.get("checked") else
@@ -300,7 +306,7 @@ def kpis(evaluation: dict, tokenize: dict, extract: dict) -> str:
     items = [("tau, trained draft", f"{off['eagle3']['tau']:.3f} {ci(off['eagle3']['tau_ci'])}"),
              ("tau, bigram baseline", f"{off['bigram']['tau']:.3f}"),
              ("tau, most-frequent baseline", f"{off['most_frequent']['tau']:.3f}"),
-             ("draft vocab coverage", f"{tokenize['draft_vocab_coverage']:.1%}"),
+             ("draft vocab coverage", f"{data['draft_vocab_coverage']:.1%}"),
              ("extraction", f"{extract['tokens_per_second']:.0f} tok/s"),
              ("tau gate", gate_text)]
     return "".join(f"<div class='kpi'>{html.escape(label)}<b>{value}</b></div>" for label, value in items)
@@ -318,7 +324,7 @@ def target_html(build: dict | None) -> str:
 
 def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: dict[str, Figure],
            history_source: str, target_build: dict | None = None) -> str:
-    tokenize, extract, train = manifests["tokenize"], manifests["extract"], manifests["train"]
+    data, extract, train = manifests["regenerate"], manifests["extract"], manifests["train"]
     metrics = train["metrics"]
     ttt = sorted({int(k.split("_")[-1]) for k in metrics["final"] if k.startswith("loss_")})
     ttt_rows = [[f"TTT step {k}", metrics["final"].get(f"loss_{k}", ""),
@@ -341,7 +347,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
         f"<code>{html.escape(str(extract['target']))}</code>"
         f" &middot; draft <code>{html.escape(evaluation['draft'])}</code> &middot; k = {evaluation['k']}"
         f" &middot; {evaluation['held_out_samples']} held-out samples</p>" + target_html(target_build),
-        kpis(evaluation, tokenize, extract),
+        kpis(evaluation, data, extract),
         "<h2>Training</h2>", figure_html(figures["training"]),
         table(ttt_rows, ["", "final loss", "final accuracy", "validation loss",
                          "validation accuracy", "validation cond. accuracy"]),
@@ -353,13 +359,15 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
               ["draft", "measured", "tau", "CI", "acceptance by position", "steps"]),
         "<p>Alignment: " + html.escape(evaluation["alignment"]) + ". Baselines: "
         + html.escape(evaluation["baselines_from"]) + ".</p>",
-        table(agreement_rows(evaluation), ["check", "statistic", "difference", "paired CI", "agrees"])
+        table(agreement_rows(evaluation), ["check", "statistic", "value", "CI", "agrees"])
         if agreement_rows(evaluation) else "",
         table([[s["what"], s["reason"]] for s in skipped], ["skipped", "why"]) if skipped else "",
         "<h2>Draft vocabulary</h2>", figure_html(figures["coverage"]),
         table([["draft vocab / target vocab",
-                f"{tokenize['draft_vocab_size']} / {tokenize['target_vocab_size']}"],
-               ["coverage of masked data tokens (tokenize)", f"{tokenize['draft_vocab_coverage']:.2%}"],
+                f"{data['draft_vocab_size']} / {data['target_vocab_size']}"],
+               ["replies", "the target's own (regenerated)" if data["replies"] == "target"
+                else "the data's (as tokenized)"],
+               ["coverage of masked data tokens", f"{data['draft_vocab_coverage']:.2%}"],
                ["coverage of the target's greedy tokens (held-out)",
                 f"{evaluation['draft_vocab_coverage_of_greedy']:.2%}"]], ["", "value"]),
         "<h2>Extraction</h2>", figure_html(figures["extraction"]),

@@ -8,9 +8,9 @@ acceptance numbers say nothing.  Trained for a few CPU minutes on the chat-rende
 conversations, the target's next token depends on context, and a draft reading its hidden
 states can beat the frequency baselines.
 
-What is trained: ``draftline.tiny.build_tiny_llama`` (same shape, tokenizer and seed as the
-random target) as a causal LM on every token of the chat-rendered conversations, packed
-into ``seq_length`` chunks.  Conversations that ``prepare`` will hold out (the same
+What is trained: ``draftline.tiny.build_tiny_llama`` (the model config's shape, the random
+target's tokenizer and seed) as a causal LM on every token of the chat-rendered
+conversations, packed into ``seq_length`` chunks.  Conversations that ``prepare`` will hold out (the same
 ``is_validation`` coin on the conversation index, which is the sample id when tokenize skips
 nothing) are left out, so held-out evaluation runs on text neither the target nor the draft
 saw.  Deterministic for a fixed torch build and thread count (recorded): seeded init, seeded
@@ -167,7 +167,10 @@ def build_trained_target(cfg: DictConfig) -> Path:
     start = time.monotonic()
     with artifacts.atomic_dir(out) as tmp:
         tiny.build_tiny_llama(tmp, num_layers=int(cfg.model.num_layers),
-                              hidden_size=int(cfg.model.hidden_size), seed=spec.seed)
+                              hidden_size=int(cfg.model.hidden_size),
+                              num_heads=int(cfg.model.num_heads),
+                              num_kv_heads=int(cfg.model.num_kv_heads),
+                              intermediate_size=int(cfg.model.intermediate_size), seed=spec.seed)
         tokenizer = AutoTokenizer.from_pretrained(str(tmp))
         conversations, _skipped = load_conversations(corpus, max_skipped=0)
         kept, held = split_conversations(

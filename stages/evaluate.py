@@ -42,18 +42,20 @@ def target_gib(model_dir: str | Path) -> float:
 
 
 def live_check(cfg: DictConfig, runner, samples: list, aux_ids: list[int], k: int,
-               stats: dict, skipped: list) -> dict | None:
+               stats: dict, skipped: list, on_target_text: bool) -> dict | None:
     """The real loop (target in transformers), unless switched off or the target is too big here.
 
-    Two measurements: free-running from held-out prompts (vs the simulation on the generated
-    text: the same number, must agree) and one real step per held-out context (vs the offline
-    estimate on the stored text: first-position acceptance must agree; tau gap reported).
+    ``stored_replies``: the loop from every held-out reply's prompt vs the offline walk through
+    the stored reply.  On the target's own replies (regenerate.replies=target) the two must
+    agree, or the stage fails: then the offline number is not what serving would measure.
+    On the data's replies the offline number is teacher-forced beyond the first position;
+    ``heldout_contexts`` then measures that gap with one real step per sampled context.
     """
-    from draftline import evaluation
+    from draftline import evaluation, regeneration
 
     live = cfg.evaluate.live
-    if int(live.prompts) <= 0:
-        skipped.append({"what": "live loop", "reason": "evaluate.live.prompts=0"})
+    if not live.enabled:
+        skipped.append({"what": "live loop", "reason": "evaluate.live.enabled=false"})
         return None
     size = target_gib(cfg.model.path)
     if size > float(live.max_target_gib):
@@ -61,19 +63,29 @@ def live_check(cfg: DictConfig, runner, samples: list, aux_ids: list[int], k: in
                         f"evaluate.live.max_target_gib={live.max_target_gib}"})
         return None
     target = evaluation.load_target(cfg.model.path)
-    stops = evaluation.stop_token_ids(cfg.model.path)
-    free = evaluation.live_free_running(
-        target, runner, evaluation.reply_prompts(samples, int(live.prompts)), aux_ids, k,
-        int(live.max_new_tokens), stops, stats)
-    log.info("live free-running: tau %.3f, simulated on the same text %.3f (%s)",
-             free["live"]["tau"], free["simulated"]["tau"],
-             "agree" if free["agreement"]["agrees"] else "DISAGREE")
-    contexts = evaluation.live_heldout_contexts(
-        target, runner, samples, aux_ids, k, int(live.context_stride), stops, stats)
-    log.info("live held-out contexts: tau %.3f vs offline %.3f on the same %d steps; "
-             "first-position acceptance %s", contexts["live"]["tau"], contexts["offline"]["tau"],
-             contexts["live"]["steps"], "agrees" if contexts["first_position"]["agrees"] else "DISAGREES")
-    return {"free_running": free, "heldout_contexts": contexts}
+    stops = regeneration.stop_token_ids(cfg.model.path)
+    stored = evaluation.live_vs_offline(target, runner, samples, aux_ids, k, stops, stats,
+                                        live.max_replies)
+    log.info("live loop on %d held-out replies: tau %.3f, offline on the same replies %.3f "
+             "[%.3f, %.3f]; %d replies generated other text; %s", stored["replies"],
+             stored["live"]["tau"], stored["offline"]["tau"], *stored["offline"]["tau_ci"],
+             stored["text_mismatches"], "agree" if stored["agrees"] else "DISAGREE")
+    result = {"on_target_text": on_target_text, "stored_replies": stored}
+    if on_target_text:
+        if live.require_agreement and not stored["agrees"]:
+            raise AssertionError(
+                f"live tau {stored['live']['tau']:.3f} vs offline {stored['offline']['tau']:.3f} "
+                f"{stored['offline']['tau_ci']} on the target's own held-out replies: they must "
+                f"agree (paired difference {stored['paired_difference']}); the stored features "
+                "are not what the draft sees at serving time")
+    else:
+        contexts = evaluation.live_heldout_contexts(
+            target, runner, samples, aux_ids, k, int(live.context_stride), stops, stats)
+        log.info("live held-out contexts: tau %.3f vs offline %.3f on the same %d steps (the "
+                 "data's replies: teacher-forced beyond position 1)", contexts["live"]["tau"],
+                 contexts["offline"]["tau"], contexts["live"]["steps"])
+        result["heldout_contexts"] = contexts
+    return result
 
 
 def read_gate(cfg: DictConfig, k: int) -> dict | None:
@@ -132,7 +144,9 @@ def run(cfg: DictConfig) -> dict:
     offline = evaluation.evaluate_offline(proposers, samples, k, **stats)
 
     skipped: list[dict] = []
-    live = live_check(cfg, runner, samples, aux_ids, k, stats, skipped)
+    regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
+    on_target_text = regenerated["replies"] == "target"
+    live = live_check(cfg, runner, samples, aux_ids, k, stats, skipped, on_target_text)
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = evaluation.check_vllm_load(draft, cfg.model.path, k,
@@ -142,6 +156,7 @@ def run(cfg: DictConfig) -> dict:
 
     results = {
         "draft": str(draft), "k": k, "aux_layer_ids": aux_ids,
+        "replies": "the target's own (regenerated)" if on_target_text else "the data's",
         "held_out_samples": len(samples), "alignment": evaluation.ALIGNMENT,
         "ci": {"method": "percentile bootstrap over held-out samples (prompts for live)",
                "resamples": stats["resamples"], "level": stats["level"]},
@@ -156,7 +171,7 @@ def run(cfg: DictConfig) -> dict:
     return {
         **results, "gate": gate, "results": "results.json", "skipped": skipped,
         "inputs": {name: artifacts.sha256_file(config.stage_dir(cfg, name) / artifacts.MANIFEST)
-                   for name in ("train", "extract", "prepare")},
+                   for name in ("train", "extract", "prepare", "regenerate")},
     }
 
 

@@ -1,4 +1,4 @@
-"""extract: target hidden states for every tokenized sample, through vLLM (prefill only).
+"""extract: target hidden states for every sample (regenerate's output), through vLLM (prefill only).
 
     make extract EXP=tiny          # or: python -m stages.extract experiment=tiny
 
@@ -78,17 +78,18 @@ def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
 
 def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "extract")
-    tokenize_dir = config.stage_dir(cfg, "tokenize")
-    tokenize_manifest = artifacts.read_manifest(tokenize_dir)
-    samples, masks = read_samples(tokenize_dir / "samples.safetensors")
+    regenerate_dir = config.stage_dir(cfg, "regenerate")
+    regenerate_manifest = artifacts.read_manifest(regenerate_dir)
+    samples_path = regenerate_dir / regenerate_manifest["samples"]
+    samples, masks = read_samples(samples_path)
     lengths = [len(s) for s in samples]
     shape = preflight(cfg, lengths)
 
     plans = extraction.plan_shards(lengths, int(cfg.extract.shard_tokens))
     remove_unplanned(out_dir, plans)
     fingerprint = artifacts.config_hash({
-        "tokenize": tokenize_manifest["provenance"]["config_sha256"],
-        "samples": artifacts.sha256_file(tokenize_dir / "samples.safetensors"),
+        "regenerate": regenerate_manifest["provenance"]["config_sha256"],
+        "samples": artifacts.sha256_file(samples_path),
         "extract": config.stage_config(cfg, "extract"),
     })
     pending = [p for p in plans if not extraction.shard_is_complete(out_dir / p.name, p, fingerprint)]
@@ -133,7 +134,7 @@ def run(cfg: DictConfig) -> dict:
         "target": str(cfg.model.path),
         "bytes_per_token": {"on_disk": total_bytes / max(sum(lengths), 1), "raw_minimum": per_token},
         "tokens_per_second": tokens_per_second,
-        "inputs": {"tokenize_manifest_sha256": artifacts.sha256_file(tokenize_dir / artifacts.MANIFEST)},
+        "inputs": {"regenerate_manifest_sha256": artifacts.sha256_file(regenerate_dir / artifacts.MANIFEST)},
         "skipped": [],
     }
 

@@ -2,7 +2,7 @@
 
     make report EXP=tiny-trained          # or: python -m stages.report experiment=tiny-trained
 
-Reads only manifests (and the tokenize vocab counts, the train log for per-TTT curves);
+Reads only manifests (and the training data's vocab counts, the train log for per-TTT curves);
 writes <run_dir>/report/index.html with the figures embedded, and the same figures as PNGs.
 """
 
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from draftline import artifacts, config
 from draftline.stage import run_stage
 
-UPSTREAM = ("tokenize", "extract", "prepare", "train", "evaluate")
+UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -27,14 +27,14 @@ def run(cfg: DictConfig) -> dict:
     manifests = {stage: artifacts.read_manifest(config.stage_dir(cfg, stage)) for stage in UPSTREAM}
     evaluation = {**artifacts.read_json(config.stage_dir(cfg, "evaluate") / manifests["evaluate"]["results"]),
                   "gate": manifests["evaluate"]["gate"]}
-    vocab = config.stage_dir(cfg, "tokenize") / manifests["tokenize"]["vocab"]
+    vocab = config.stage_dir(cfg, "regenerate") / manifests["regenerate"]["vocab"]
     token_freq = load_file(str(vocab))["token_freq"]  # [target_vocab] masked-token counts
     history, source = report.training_history(manifests["train"], Path(cfg.run_dir) / "logs" / "train.log")
     dpi = int(cfg.report.dpi)
     figures = {
         "training": report.training_figure(manifests["train"], history, source, dpi),
         "acceptance": report.acceptance_figure(evaluation, dpi),
-        "coverage": report.coverage_figure(token_freq, int(manifests["tokenize"]["draft_vocab_size"]), dpi),
+        "coverage": report.coverage_figure(token_freq, int(manifests["regenerate"]["draft_vocab_size"]), dpi),
         "extraction": report.extraction_figure(manifests["extract"], dpi),
     }
     out_dir = config.stage_dir(cfg, "report")

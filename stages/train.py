@@ -10,6 +10,8 @@ the key hashes the train config and the prepared data.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -31,6 +33,12 @@ def auto_or(value, kind: type):
     return None if value is None or str(value) == "auto" else kind(value)
 
 
+def vocab_path(cfg: DictConfig) -> Path:
+    """d2t/t2d of the data that was extracted (regenerate's manifest names the file)."""
+    regenerate_dir = config.stage_dir(cfg, "regenerate")
+    return regenerate_dir / artifacts.read_manifest(regenerate_dir)["vocab"]
+
+
 def run(cfg: DictConfig) -> dict:
     from draftline import training
 
@@ -46,7 +54,7 @@ def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "train") / "runs" / run_key
     result = training.train(
         prepared["shards"], prepare_dir / prepared["index"],
-        config.stage_dir(cfg, "tokenize") / "vocab.safetensors",
+        vocab_path(cfg),
         str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
         steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
         max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.seed),

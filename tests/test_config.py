@@ -38,6 +38,13 @@ def test_a_train_key_changes_only_the_train_stamp():
     assert differs == ["train"]
 
 
+def test_aux_layer_ids_do_not_make_regenerated_replies_stale():
+    base = config.compose(config.experiment_overrides("tiny-trained", []))
+    changed = config.compose(config.experiment_overrides("tiny-trained", ["model.aux_layer_ids=[1,2,3]"]))
+    differs = [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)]
+    assert "regenerate" not in differs and "extract" in differs
+
+
 def test_stamp_is_rewritten_only_when_it_changes(tmp_path: Path):
     stamp = tmp_path / "config.json"
     assert artifacts.write_stamp(stamp, {"a": 1})

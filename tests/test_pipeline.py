@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("tokenize", "extract", "prepare", "train")
+STAGES = ("tokenize", "regenerate", "extract", "prepare", "train")
 # Small enough for a few minutes on 2 cores: ~25 conversations, a handful of train steps.
 BASE = "data.max_bytes=20000 extract.shard_tokens=1024 extract.token_budget=1024 train.steps=4 train.checkpoint_every=2"
 

@@ -58,6 +58,8 @@ def run_dir(tmp_path) -> Path:
     shutil.copy(tmp_path / "vocab.safetensors", run / "tokenize/vocab.safetensors")
     _write(run / "tokenize", {"vocab": "vocab.safetensors", "draft_vocab_size": 16, "target_vocab_size": 64,
                               "draft_vocab_coverage": 0.5})
+    _write(run / "regenerate", {"replies": "target", "vocab": "../tokenize/vocab.safetensors",
+                                "draft_vocab_size": 16, "target_vocab_size": 64, "draft_vocab_coverage": 0.5})
     _write(run / "extract", {"target": "t", "num_tokens": 300, "num_samples": 3, "tokens_per_second": 1234.5,
                              "shards": [{"tokens": 200}, {"tokens": 100}], "resumed_shards": 0,
                              "bytes_per_token": {"on_disk": 2057.0}})
@@ -69,9 +71,10 @@ def run_dir(tmp_path) -> Path:
                "ci": {"method": "bootstrap over samples", "resamples": 100, "level": 0.95},
                "offline": {"eagle3": _result(1.9), "most_frequent": _result(1.1), "bigram": _result(1.4)},
                "baselines_from": "training counts", "draft_vocab_coverage_of_greedy": 0.9,
-               "live": {"free_running": {"live": _result(2.0), "simulated": _result(2.0),
-                                         "agreement": {"statistic": "tau", "difference": 0.0,
-                                                       "ci": [0.0, 0.0], "agrees": True}}},
+               "live": {"stored_replies": {"live": _result(2.0), "offline": _result(2.0),
+                                           "live_tau_inside_offline_ci": True,
+                                           "paired_difference": {"statistic": "tau", "difference": 0.0,
+                                                                 "ci": [0.0, 0.0], "agrees": True}}},
                "vllm": None}
     (run / "evaluate").mkdir()
     artifacts.write_json(run / "evaluate/results.json", results)

@@ -62,6 +62,11 @@ def test_extract_refuses_bad_layer_ids_before_loading_the_model(tmp_path, model_
     common = [f"data.path={data}", "data.build=null", f"model.path={model_dir}",
               f"run_dir={tmp_path / 'run'}"]
     assert run_stage("tokenize", *common).returncode == 0
+    assert run_stage("regenerate", *common).returncode == 0
+    kept = json.loads((tmp_path / "run/regenerate/manifest.json").read_text())
+    assert kept["replies"] == "data"
+    assert (tmp_path / "run/regenerate" / kept["samples"]).resolve() == \
+        (tmp_path / "run/tokenize/samples.safetensors").resolve()
     result = run_stage("extract", *common, "model.aux_layer_ids=[2,3,6]")
     assert result.returncode != 0
     output = result.stdout + result.stderr

@@ -1,0 +1,153 @@
+"""regenerate: the target's own greedy replies in place of the data's (optional), then d2t/t2d.
+
+    make regenerate EXP=tiny-trained     # or: python -m stages.regenerate experiment=tiny-trained
+
+``regenerate.replies``: ``data`` keeps tokenize's samples and vocabulary (the manifest points
+at them, nothing is copied); ``target`` replaces every assistant reply with the target's greedy
+reply through vLLM (draftline/regeneration.py) and recomputes the draft vocabulary from the
+new replies.  Downstream stages read samples and vocabulary from this stage's manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+from safetensors.torch import save_file
+
+from draftline import artifacts, config, regeneration, vocab
+from draftline.samples import read_samples, write_samples
+from draftline.stage import run_stage
+
+log = logging.getLogger("draftline.regenerate")
+MODES = ("data", "target")
+
+
+def keep(tokenize_dir: Path, tokenize: dict) -> dict:
+    """replies=data: point at tokenize's files (relative to this stage's folder)."""
+    return {
+        "replies": "data",
+        "samples": os.path.relpath(tokenize_dir / tokenize["samples"], tokenize_dir.parent / "regenerate"),
+        "vocab": os.path.relpath(tokenize_dir / tokenize["vocab"], tokenize_dir.parent / "regenerate"),
+        **{key: tokenize[key] for key in ("num_samples", "num_tokens", "num_masked_tokens",
+                                          "target_vocab_size", "draft_vocab_size",
+                                          "draft_vocab_coverage")},
+        "skipped": [],
+    }
+
+
+def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regeneration.VllmReplies:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.regenerate.cpu_kvcache_gib))
+    if cfg.model.mla_disable:
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+    return regeneration.VllmReplies(
+        str(cfg.model.path), dtype=str(cfg.model.dtype),
+        tensor_parallel_size=int(cfg.model.tensor_parallel_size),
+        max_model_len=int(cfg.regenerate.max_model_len), max_num_seqs=int(cfg.regenerate.max_num_seqs),
+        max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens),
+        gpu_memory_utilization=float(cfg.regenerate.gpu_memory_utilization),
+        stop_ids=stop_ids, seed=int(cfg.seed))
+
+
+def run(cfg: DictConfig) -> dict:
+    mode = str(cfg.regenerate.replies)
+    if mode not in MODES:
+        raise ValueError(f"regenerate.replies={mode!r}; choose one of {MODES}")
+    out_dir = config.stage_dir(cfg, "regenerate")
+    tokenize_dir = config.stage_dir(cfg, "tokenize")
+    tokenize = artifacts.read_manifest(tokenize_dir)
+    inputs = {"tokenize_manifest_sha256": artifacts.sha256_file(tokenize_dir / artifacts.MANIFEST)}
+    if mode == "data":
+        shutil.rmtree(out_dir / "chunks", ignore_errors=True)
+        return {**keep(tokenize_dir, tokenize), "inputs": inputs}
+
+    samples, masks = read_samples(tokenize_dir / tokenize["samples"])
+    seq_length = int(cfg.regenerate.seq_length)
+    assert seq_length < int(cfg.regenerate.max_model_len), (
+        f"regenerate.seq_length={seq_length} must stay below regenerate.max_model_len="
+        f"{cfg.regenerate.max_model_len}")
+    stop_ids = regeneration.stop_token_ids(cfg.model.path)
+    fingerprint = artifacts.config_hash({
+        "tokenize": inputs, "regenerate": config.stage_config(cfg, "regenerate"), "stop_ids": stop_ids})
+    chunk_dir = out_dir / "chunks" / fingerprint[:16]
+    for stale in (out_dir / "chunks").glob("*"):
+        if stale != chunk_dir:  # chunks of other inputs or settings must not be resumed
+            shutil.rmtree(stale)
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    size = int(cfg.regenerate.chunk_samples)
+    bounds = [(a, min(a + size, len(samples))) for a in range(0, len(samples), size)]
+    paths = [chunk_dir / f"chunk-{i:05d}.safetensors" for i in range(len(bounds))]
+    pending = [i for i, path in enumerate(paths) if not path.exists()]
+    log.info("%d samples in %d chunks, %d to generate (stop ids %s)", len(samples), len(bounds),
+             len(pending), stop_ids)
+
+    stats = regeneration.ChunkStats()
+    tokens_per_second = 0.0
+    if pending:
+        engine = make_engine(cfg, stop_ids)
+        progress = regeneration.ChunkProgress(len(samples), len(samples) - sum(
+            bounds[i][1] - bounds[i][0] for i in pending))
+        try:
+            for i in pending:
+                a, b = bounds[i]
+                ids, new_masks, chunk = regeneration.regenerate(
+                    samples[a:b], masks[a:b], engine, seq_length, cfg.regenerate.max_new_tokens)
+                write_samples(paths[i], ids, new_masks)
+                artifacts.write_json(paths[i].with_suffix(".json"), chunk.__dict__)
+                stats.add(chunk)
+                progress.update(b - a, chunk.generated_tokens)
+        finally:
+            progress.close()
+            engine.shutdown()
+        tokens_per_second = progress.tokens_per_second()
+    resumed = regeneration.ChunkStats()
+    for i in set(range(len(bounds))) - set(pending):
+        resumed.add(regeneration.ChunkStats(**artifacts.read_json(paths[i].with_suffix(".json"))))
+    stats.add(resumed)
+
+    new_ids, new_masks = [], []
+    for path in paths:
+        ids, chunk_masks = read_samples(path)
+        new_ids += ids
+        new_masks += chunk_masks
+    target_vocab, draft_vocab = int(tokenize["target_vocab_size"]), int(tokenize["draft_vocab_size"])
+    freq = vocab.token_frequencies(zip(new_ids, new_masks), target_vocab)
+    d2t, t2d = vocab.draft_vocab_mapping(freq, draft_vocab)
+    vocab.validate_mapping(d2t, t2d, target_vocab, draft_vocab)
+    write_samples(out_dir / "samples.safetensors", new_ids, new_masks)
+    with artifacts.atomic_path(out_dir / "vocab.safetensors") as tmp:
+        save_file({"d2t": d2t, "t2d": t2d, "token_freq": freq}, str(tmp))
+    masked = sum(sum(m) for m in new_masks)
+    log.info("%d replies regenerated (%d ended by a stop token, %d capped), %d tokens (%d masked), "
+             "draft vocab covers %.1f%% of masked tokens", stats.replies, stats.stopped,
+             stats.capped, sum(map(len, new_ids)), masked, 100 * vocab.coverage(freq, t2d))
+    return {
+        "replies": "target",
+        "samples": "samples.safetensors",
+        "vocab": "vocab.safetensors",
+        "num_samples": len(new_ids),
+        "num_tokens": sum(map(len, new_ids)),
+        "num_masked_tokens": masked,
+        "target_vocab_size": target_vocab,
+        "draft_vocab_size": draft_vocab,
+        "draft_vocab_coverage": vocab.coverage(freq, t2d),
+        "source_masked_tokens": int(tokenize["num_masked_tokens"]),
+        "stop_token_ids": stop_ids,
+        "generation": {**stats.__dict__, "resumed_chunks": len(bounds) - len(pending),
+                       "chunks": len(bounds), "tokens_per_second": tokens_per_second},
+        "skipped": [],
+        "inputs": inputs,
+    }
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_stage("regenerate", cfg, run)
+
+
+if __name__ == "__main__":
+    main()
