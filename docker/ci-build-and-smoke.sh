@@ -10,8 +10,9 @@
 #   - builds with `make image-cpu`; uv's downloads persist in BuildKit's cache mount, so a warm
 #     rebuild after a lock change downloads nothing.
 # CA_BUNDLE (default: the system bundle) is handed to pip and uv as a build secret, for
-# TLS-intercepting proxies; BASE_IMAGE and IMAGE override the tags used. About 6 minutes cold
-# on 2 cores (base image 1, build 2.5, smoke 2-5), about 2.5 when only the source changed.
+# TLS-intercepting proxies; BASE_IMAGE and IMAGE override the tags used. On 2 cores: base
+# image about 1 minute, cold build 2.5, and `make smoke` about 15 (it trains the tiny target,
+# regenerates its replies, trains and gates the draft, writes the report).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -96,8 +96,9 @@ def run(cfg: DictConfig) -> dict:
                 a, b = bounds[i]
                 ids, new_masks, chunk = regeneration.regenerate(
                     samples[a:b], masks[a:b], engine, seq_length, cfg.regenerate.max_new_tokens)
-                write_samples(paths[i], ids, new_masks)
+                # The samples file marks the chunk done, so it is written after its stats.
                 artifacts.write_json(paths[i].with_suffix(".json"), chunk.__dict__)
+                write_samples(paths[i], ids, new_masks)
                 stats.add(chunk)
                 progress.update(b - a, chunk.generated_tokens)
         finally:

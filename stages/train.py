@@ -57,7 +57,7 @@ def run(cfg: DictConfig) -> dict:
         vocab_path(cfg),
         str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
         steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
-        max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.seed),
+        max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.train.seed),
         device=pick_device(str(cfg.train.device)), num_layers=int(cfg.train.num_layers),
         checkpoint_every=int(cfg.train.checkpoint_every),
         precision=str(cfg.train.get("precision", "auto")),

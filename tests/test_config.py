@@ -40,7 +40,7 @@ def test_a_train_key_changes_only_the_train_stamp():
 
 def test_aux_layer_ids_do_not_make_regenerated_replies_stale():
     base = config.compose(config.experiment_overrides("tiny-trained", []))
-    changed = config.compose(config.experiment_overrides("tiny-trained", ["model.aux_layer_ids=[1,2,3]"]))
+    changed = config.compose(config.experiment_overrides("tiny-trained", ["model.aux_layer_ids=[0,1,2]"]))
     differs = [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)]
     assert "regenerate" not in differs and "extract" in differs
 
