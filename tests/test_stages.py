@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import json
+
 import pytest
 
 from draftline import tiny
