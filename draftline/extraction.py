@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.artifacts import atomic_path, sha256_file
+from draftline.artifacts import atomic_path, read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -191,25 +191,37 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
         if shard_is_complete(path, plan, metadata["fingerprint"]):
             continue
         results = {}
+        start = time.monotonic()
         for batch in plan_batches(plan.sample_ids, lengths, token_budget):
             outputs = generator.generate([samples[i] for i in batch])
             results.update(zip(batch, outputs))
             progress.update(sum(lengths[i] for i in batch))
         masks = {i: loss_masks[i] for i in plan.sample_ids}
         write_shard(path, pack_shard(plan, results, masks, save_dtype), metadata)
+        # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.
+        write_json(timing_path(path), {"seconds": time.monotonic() - start,
+                                       "finished_unix": time.time()})
         written.append(plan.index)
     return written
 
 
+def timing_path(shard: Path) -> Path:
+    """shard-NNNNN.safetensors -> shard-NNNNN.timing.json (extraction seconds of that shard)."""
+    return shard.with_suffix(".timing.json")
+
+
 def shard_records(plans: list[ShardPlan], out_dir: Path) -> list[dict]:
-    """Per-shard rows, tokens, bytes and sha256 for the manifest."""
-    return [
-        {
+    """Per-shard rows, tokens, bytes, sha256 and, where recorded, extraction seconds."""
+    records = []
+    for plan in plans:
+        path = out_dir / plan.name
+        timing = read_json(timing_path(path)) if timing_path(path).exists() else {}
+        records.append({
             "file": plan.name,
             "samples": len(plan.sample_ids),
             "tokens": plan.num_tokens,
-            "bytes": (out_dir / plan.name).stat().st_size,
-            "sha256": sha256_file(out_dir / plan.name),
-        }
-        for plan in plans
-    ]
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+            **timing,
+        })
+    return records

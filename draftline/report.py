@@ -198,7 +198,8 @@ def extraction_figure(extract: dict, dpi: int) -> Figure:
     ax.set(xlabel="shard", ylabel="tokens/s" if timed else "tokens",
            title="extraction per shard" + ("" if timed else " (no per-shard timing recorded)"))
     ax.grid(alpha=0.3, axis="y")
-    return Figure("extraction.png", _png(fig), "Per-shard throughput" if timed else
+    return Figure("extraction.png", _png(fig), "Per-shard throughput (tokens / seconds of that "
+                  "shard's generate calls), shards in extraction order" if timed else
                   "Tokens per shard; the extract manifest records only the run's overall tokens/s.")
 
 

@@ -74,6 +74,7 @@ def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
     for path in out_dir.glob("shard-*.safetensors"):
         if path.name not in planned:
             path.unlink()
+            extraction.timing_path(path).unlink(missing_ok=True)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -68,6 +68,7 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
             p.name for p in (REPO / "patches").glob("*.diff"))
     extract = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
     assert extract["num_tokens"] == sum(s["tokens"] for s in extract["shards"])
+    assert all(s["seconds"] > 0 and s["finished_unix"] > 0 for s in extract["shards"])
 
 
 def test_second_run_is_a_no_op(repo):

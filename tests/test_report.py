@@ -61,7 +61,7 @@ def run_dir(tmp_path) -> Path:
     _write(run / "regenerate", {"replies": "target", "vocab": "../tokenize/vocab.safetensors",
                                 "draft_vocab_size": 16, "target_vocab_size": 64, "draft_vocab_coverage": 0.5})
     _write(run / "extract", {"target": "t", "num_tokens": 300, "num_samples": 3, "tokens_per_second": 1234.5,
-                             "shards": [{"tokens": 200}, {"tokens": 100}], "resumed_shards": 0,
+                             "shards": [{"tokens": 200, "seconds": 0.5}, {"tokens": 100, "seconds": 0.25}], "resumed_shards": 0,
                              "bytes_per_token": {"on_disk": 2057.0}})
     _write(run / "prepare", {})
     _write(run / "train", {"metrics": {"loss_history": [3.0, 2.0, 1.5], "total_steps": 3, "steps": 3,
