@@ -57,6 +57,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from draftline.regeneration import reply_spans
+
 log = logging.getLogger(__name__)
 ALIGNMENT = (
     "start t: context x_0..x_{t+1}; draft step 1 = fc(aux_t) + embed(x_{t+1}) at position t; "
@@ -646,14 +648,6 @@ def hf_sample(target, tokens: torch.Tensor, reply_from: int, aux_ids: Sequence[i
                   out.logits[0].argmax(-1))
 
 
-def reply_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of every assistant reply (run of loss-mask ones)."""
-    mask = torch.cat([torch.zeros(1, dtype=torch.long), loss_mask.long(), torch.zeros(1, dtype=torch.long)])
-    edges = mask[1:] - mask[:-1]  # +1 where a run starts, -1 one past where it ends
-    return list(zip((edges == 1).nonzero().flatten().tolist(),
-                    (edges == -1).nonzero().flatten().tolist(), strict=True))
-
-
 def live_vs_offline(target, runner: DraftRunner, samples: Sequence[Sample], aux_ids: Sequence[int],
                     k: int, stop_ids: Sequence[int], stats: dict, limit: int | None = None) -> dict:
     """The real loop from each stored reply's prompt vs the offline walk through that reply.
@@ -669,7 +663,7 @@ def live_vs_offline(target, runner: DraftRunner, samples: Sequence[Sample], aux_
     """
     live, offline, text_mismatches, other_verdicts = [], [], 0, 0
     proposer = Eagle3Draft(runner)
-    replies = [(sample, a, b) for sample in samples for a, b in reply_spans(sample.loss_mask)]
+    replies = [(sample, a, b) for sample in samples for a, b in reply_spans(sample.loss_mask.tolist())]
     for sample, a, b in replies[:limit]:
         mask = torch.zeros_like(sample.loss_mask)
         mask[a:b] = True

@@ -14,7 +14,8 @@ draft is trained and later asked to predict.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -160,3 +161,21 @@ def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
     if total == 0:
         raise ValueError("freq counts no tokens, so coverage is undefined")
     return int(freq[t2d].sum()) / total
+
+
+def write_vocab(path: str | Path, ids: Iterable[Sequence[int]], masks: Iterable[Sequence[int]],
+                target_vocab: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-token counts -> checked d2t/t2d, written atomically with the counts to ``path``.
+
+    Returns (token_freq [target_vocab], t2d [target_vocab]) for coverage reporting.
+    """
+    from safetensors.torch import save_file
+
+    from draftline.artifacts import atomic_path
+
+    freq = token_frequencies(zip(ids, masks), target_vocab)  # [target_vocab]
+    d2t, t2d = draft_vocab_mapping(freq, draft_vocab)
+    validate_mapping(d2t, t2d, target_vocab, draft_vocab)
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d, "token_freq": freq}, str(tmp))
+    return freq, t2d

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-from safetensors.torch import save_file
 
 from draftline import artifacts, config, regeneration, vocab
 from draftline.samples import read_samples, write_samples
@@ -116,12 +115,9 @@ def run(cfg: DictConfig) -> dict:
         new_ids += ids
         new_masks += chunk_masks
     target_vocab, draft_vocab = int(tokenize["target_vocab_size"]), int(tokenize["draft_vocab_size"])
-    freq = vocab.token_frequencies(zip(new_ids, new_masks), target_vocab)
-    d2t, t2d = vocab.draft_vocab_mapping(freq, draft_vocab)
-    vocab.validate_mapping(d2t, t2d, target_vocab, draft_vocab)
     write_samples(out_dir / "samples.safetensors", new_ids, new_masks)
-    with artifacts.atomic_path(out_dir / "vocab.safetensors") as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "token_freq": freq}, str(tmp))
+    freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", new_ids, new_masks,
+                                  target_vocab, draft_vocab)
     masked = sum(sum(m) for m in new_masks)
     log.info("%d replies regenerated (%d ended by a stop token, %d capped), %d tokens (%d masked), "
              "draft vocab covers %.1f%% of masked tokens", stats.replies, stats.stopped,

@@ -14,7 +14,6 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import save_file
 
 from draftline import artifacts, config, vocab
 from draftline.chat import EmptyLossMaskError, encode_conversation
@@ -75,13 +74,8 @@ def run(cfg: DictConfig) -> dict:
     assert len(tokenizer) <= target_vocab, f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}"
     draft_vocab = int(cfg.tokenize.draft_vocab_size)
     assert draft_vocab <= target_vocab, f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}"
-    freq = vocab.token_frequencies(zip(ids, masks), target_vocab)  # [target_vocab]
-    d2t, t2d = vocab.draft_vocab_mapping(freq, draft_vocab)
-    vocab.validate_mapping(d2t, t2d, target_vocab, draft_vocab)
-
     write_samples(out_dir / "samples.safetensors", ids, masks)
-    with artifacts.atomic_path(out_dir / "vocab.safetensors") as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "token_freq": freq}, str(tmp))
+    freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", ids, masks, target_vocab, draft_vocab)
     num_tokens = sum(len(x) for x in ids)
     masked = sum(sum(m) for m in masks)
     log.info("%d samples, %d tokens (%d masked), draft vocab covers %.1f%% of masked tokens",
