@@ -21,7 +21,8 @@ OVERRIDES ?=#                    free Hydra overrides, e.g. OVERRIDES="train.lr=
 PY := $(VENV)/bin/python
 TOOLS := .tools
 UV := $(shell command -v uv 2>/dev/null || echo $(TOOLS)/bin/uv)
-PATCHES := $(sort $(wildcard patches/*.diff))
+PATCHES := $(sort $(wildcard patches/*.diff))#            speculators' queue
+VLLM_PATCHES := $(sort $(wildcard patches/vllm/*.diff))#    vLLM's queue
 
 # ---- help -------------------------------------------------------------------------------
 .PHONY: help
@@ -34,17 +35,18 @@ $(TOOLS)/bin/uv:
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/python -m pip install --quiet uv==$(UV_VERSION)
 
-# The stamp depends on the lock, the patch queue and the applier, so editing any of them
-# re-runs setup. uv pip sync leaves an already-patched speculators in place (same version),
-# and the applier then either sees the same queue (no-op) or replaces a changed one.
-$(VENV)/.setup-$(STACK): requirements/$(STACK).lock $(PATCHES) draftline/patchq.py | $(UV)
+# The stamp depends on the lock, both patch queues and the applier, so editing any of them
+# re-runs setup. uv pip sync leaves already-patched packages in place (same version), and the
+# applier then either sees the same queue (no-op) or replaces a changed one.
+$(VENV)/.setup-$(STACK): requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) draftline/patchq.py | $(UV)
 	[ -x $(PY) ] || $(UV) venv --quiet --python $(PYTHON) $(VENV)
 	$(UV) pip sync --quiet --python $(PY) requirements/$(STACK).lock
 	$(PY) -m draftline.patchq apply --replace
+	$(PY) -m draftline.patchq apply --replace --package vllm
 	touch $@
 
 .PHONY: setup
-setup: $(VENV)/.setup-$(STACK) ## Create .venv from the lock, install speculators, apply patches/
+setup: $(VENV)/.setup-$(STACK) ## Create .venv from the lock, apply patches/ (speculators) and patches/vllm/
 
 # ---- locks ------------------------------------------------------------------------------
 # Humans edit requirements/*.in and overrides-*.txt; these rules write the locks.

