@@ -77,7 +77,7 @@ lock-check: | $(UV) ## Fail when a lock no longer matches its inputs
 export HYDRA_FULL_ERROR := 1
 RUN := runs/$(EXP)
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
-COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py
+COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py draftline/remote_code.py
 TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py \
   draftline/vocab.py draftline/samples.py $(COMMON_CODE)
 REGENERATE_CODE := stages/regenerate.py draftline/regeneration.py draftline/samples.py \

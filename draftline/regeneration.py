@@ -124,7 +124,7 @@ class VllmReplies:
 
     def __init__(self, model_dir: str, *, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-                 stop_ids: Sequence[int], seed: int, trust_remote_code: bool = True,
+                 stop_ids: Sequence[int], seed: int, trust_remote_code: bool = False,
                  enforce_eager: bool | None = None):
         import torch
         from vllm import LLM

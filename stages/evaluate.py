@@ -150,7 +150,7 @@ def run(cfg: DictConfig) -> dict:
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = evaluation.check_vllm_load(draft, cfg.model.path, k,
-                                          trust_remote_code=bool(cfg.evaluate.trust_remote_code))
+                                          trust_remote_code=bool(cfg.model.trust_remote_code))
     else:
         skipped.append({"what": "vLLM load check", "reason": "evaluate.vllm_check=false"})
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, extraction
+from draftline import artifacts, config, extraction, remote_code
 from draftline.samples import read_samples
 from draftline.stage import run_stage
 
@@ -24,6 +24,7 @@ log = logging.getLogger("draftline.extract")
 
 def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
     """Every check that can fail before a (possibly 25-minute) model load."""
+    remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code))
     shape = extraction.read_target_shape(cfg.model.path)
     extraction.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
     assert (shape.num_layers, shape.hidden_size) == (cfg.model.num_layers, cfg.model.hidden_size), (
@@ -65,7 +66,15 @@ def make_generator(cfg: DictConfig):
         dtype=str(cfg.model.dtype),
         max_num_seqs=int(cfg.extract.max_num_seqs),
         max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens),
+        trust_remote_code=bool(cfg.model.trust_remote_code),
+        limit_mm_per_prompt=limit_mm_per_prompt(cfg),
     )
+
+
+def limit_mm_per_prompt(cfg: DictConfig) -> dict | None:
+    """Multimodal targets (Kimi-K2.5) run text-only: no image or video budget."""
+    limits = cfg.model.get("limit_mm_per_prompt")
+    return None if limits is None else {str(k): int(v) for k, v in limits.items()}
 
 
 def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, regeneration, vocab
+from draftline import artifacts, config, regeneration, remote_code, vocab
 from draftline.samples import read_samples, write_samples
 from draftline.stage import run_stage
 
@@ -49,7 +49,8 @@ def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regeneration.VllmReplie
         max_model_len=int(cfg.regenerate.max_model_len), max_num_seqs=int(cfg.regenerate.max_num_seqs),
         max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens),
         gpu_memory_utilization=float(cfg.regenerate.gpu_memory_utilization),
-        stop_ids=stop_ids, seed=int(cfg.seed))
+        stop_ids=stop_ids, seed=int(cfg.seed),
+        trust_remote_code=remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code)))
 
 
 def run(cfg: DictConfig) -> dict:

@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, vocab
+from draftline import artifacts, config, remote_code, vocab
 from draftline.chat import EmptyLossMaskError, encode_conversation
 from draftline.conversations import DataError, load_conversations
 from draftline.samples import write_samples
@@ -24,10 +24,11 @@ from draftline.stage import run_stage
 log = logging.getLogger("draftline.tokenize")
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    trust = remote_code.check(model_dir, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     assert tokenizer.chat_template, f"{model_dir}: tokenizer has no chat_template"
     return tokenizer
 
@@ -63,7 +64,7 @@ def run(cfg: DictConfig) -> dict:
     budget = int(cfg.tokenize.max_skipped)
     conversations, load_skipped = load_conversations(data_path, max_skipped=budget)
     skipped = [{"where": s.where, "reason": s.reason} for s in load_skipped]
-    tokenizer = load_tokenizer(str(cfg.model.path))
+    tokenizer = load_tokenizer(str(cfg.model.path), bool(cfg.model.trust_remote_code))
     # One budget for both kinds of skip: encode_all appends to the load-time list.
     ids, masks, truncated = encode_all(tokenizer, conversations, int(cfg.tokenize.seq_length),
                                        budget, skipped)

@@ -75,3 +75,55 @@ def test_extract_refuses_bad_layer_ids_before_loading_the_model(tmp_path, model_
     assert "aux_layer_ids [2, 3, 6] invalid for a 6-layer target" in output
     assert "Initializing executor" not in output  # failed before the engine started
     assert not (tmp_path / "run/extract/manifest.json").exists()
+
+
+REMOTE_TOKENIZER = '''
+from transformers import PreTrainedTokenizerFast
+from pathlib import Path
+
+Path(MARKER).write_text("remote code ran")  # transformers imports a copy from its module cache
+
+
+class RemoteTokenizer(PreTrainedTokenizerFast):
+    pass
+'''
+
+
+@pytest.fixture
+def remote_code_model(tmp_path, model_dir) -> Path:
+    """The tiny target whose tokenizer is a class in the directory's own Python."""
+    import shutil
+
+    directory = tmp_path / "remote-model"
+    shutil.copytree(model_dir, directory)
+    marker = f"MARKER = {str(directory / 'RAN')!r}\n"
+    (directory / "remote_tokenizer.py").write_text(marker + REMOTE_TOKENIZER)
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "remote_tokenizer.RemoteTokenizer"]}
+    config_path.write_text(json.dumps(tokenizer_config))
+    return directory
+
+
+def test_remote_code_tokenizer_is_refused_unless_asked_for(tmp_path, remote_code_model):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                    '{"role": "assistant", "content": "hello"}]}\n')
+    common = [f"data.path={data}", "data.build=null", f"model.path={remote_code_model}"]
+    refused = run_stage("tokenize", *common, f"run_dir={tmp_path / 'refused'}")
+    assert refused.returncode != 0
+    output = refused.stdout + refused.stderr
+    assert "RemoteCodeRefused" in output and "set model.trust_remote_code=true" in output
+    assert "tokenizer_config.json: AutoTokenizer" in output
+    assert not (remote_code_model / "RAN").exists()  # refused before importing anything
+
+    allowed = [*common, f"run_dir={tmp_path / 'allowed'}"]
+    tokenized = run_stage("tokenize", *allowed, "model.trust_remote_code=true")
+    assert tokenized.returncode == 0, tokenized.stderr[-3000:]
+    assert (remote_code_model / "RAN").exists()  # the key is honoured: its class was used
+    assert run_stage("regenerate", *allowed, "model.trust_remote_code=true").returncode == 0
+    # extract checks the same key before its model load.
+    extract = run_stage("extract", *allowed)
+    assert extract.returncode != 0
+    assert "RemoteCodeRefused" in extract.stdout + extract.stderr
+    assert "Initializing executor" not in extract.stdout + extract.stderr
