@@ -130,9 +130,9 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def applied_patches() -> list[dict] | None:
-    """The patch record the applier left inside the installed speculators, if any."""
-    spec = importlib.util.find_spec("speculators")
+def applied_patches(package: str = "speculators") -> list[dict] | None:
+    """The patch record the applier left inside the installed package (speculators or vllm)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         return None
     record = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
@@ -166,6 +166,7 @@ def provenance(resolved: dict) -> dict:
         "config_sha256": config_hash(resolved),
         "versions": package_versions(),
         "patches": applied_patches(),
+        "vllm_patches": applied_patches("vllm"),
         "git": git_revision(),
         "python": platform.python_version(),
         "host": platform.node(),

@@ -1,10 +1,11 @@
-"""How many tokens a trained EAGLE-3 draft would get accepted: offline, live, and in vLLM.
+"""How many tokens a trained EAGLE-3 draft would get accepted: offline, and in vLLM itself.
 
 Offline (``evaluate_offline``): greedy chain drafting simulated on the held-out split's stored
 hidden states, for the trained draft and two frequency baselines, scored against the target's
-greedy tokens.  Live (``live_vs_offline``, ``live_heldout_contexts``): a real greedy
-speculative-decoding loop, target in transformers, on held-out prompts.  Loadability
-(``check_vllm_load``): vLLM's own config parser and Eagle3 loader read the saved draft.
+greedy tokens.  In vLLM (``vllm_vs_offline``): vLLM's own greedy speculative decoding of the
+held-out prompts (draftline.serving), step by step, against the offline walk of the same
+replies.  Loadability (``check_vllm_load``): vLLM's own config parser and Eagle3 loader read
+the saved draft and place every tensor.
 
 Alignment (positions are 0-based token indices of one held-out sample ``x_0..x_{T-1}``):
 
@@ -30,12 +31,11 @@ Alignment (positions are 0-based token indices of one held-out sample ``x_0..x_{
   mean over every scored start, which weights easy stretches more and reads higher.
 * ``y_{t+j}`` for ``j >= 2`` is the target's greedy token after the *data* prefix
   ``x_{..t+j}``; at serving it follows ``x_{..t+1}, d_1, ..`` instead.  The two agree where
-  the data is the target's own greedy text (then the walk takes exactly the real loop's steps
-  and verdicts, which ``live_vs_offline`` checks; ``regenerate.replies=target`` makes the
-  data the target's own); on other text the offline number is
-  teacher-forced beyond the first position (as speculators' ``cond_acc``), ``on_policy``
-  reports how often the stored context was the greedy one, and ``live_heldout_contexts``
-  measures the resulting gap with real verification on the same steps.
+  the data is the target's own greedy text (then the walk takes exactly vLLM's steps and
+  verdicts, which ``vllm_vs_offline`` checks; ``regenerate.replies=target`` makes the data
+  the target's own); on other text the offline number is teacher-forced beyond the first
+  position (as speculators' ``cond_acc``), ``on_policy`` reports how often the stored context
+  was the greedy one, and vLLM's tau on the held-out prompts shows the resulting gap.
 
 Confidence intervals: percentile bootstrap over held-out *samples* (steps within a sample are
 correlated, so samples are the independent unit), seeded.
@@ -543,72 +543,6 @@ def greedy_coverage(samples: Sequence[Sample], t2d: torch.Tensor, k: int) -> flo
 # --------------------------------------------------------------------------- live loop
 
 
-@dataclasses.dataclass
-class LiveResult:
-    tokens: list[int]  # generated tokens (the first one comes from the prompt's prefill)
-    accepted: list[int]  # accepted draft tokens per verification step
-
-
-def aux_features(hidden_states: Sequence[torch.Tensor], aux_ids: Sequence[int]) -> torch.Tensor:
-    """vLLM's EAGLE-3 input from HF ``output_hidden_states``: entry i = input of layer i.
-
-    hidden_states: per entry [1, N, H] -> [N, num_aux * H], concatenated in aux-id order.
-    """
-    return torch.cat([hidden_states[i][0] for i in aux_ids], -1)
-
-
-@torch.no_grad()
-def speculative_generate(target, runner: DraftRunner, prompt: torch.Tensor, aux_ids: Sequence[int],
-                         k: int, max_new_tokens: int, stop_ids: Sequence[int],
-                         first_token: int | None = None) -> LiveResult:
-    """Greedy speculative decoding: the draft proposes k, the target verifies, all greedy.
-
-    ``first_token`` replaces the target's own first token (a context that continues with a
-    given token, as in held-out text); everything after it is the target's choice.
-
-    The target keeps a KV cache cropped to the accepted prefix after every step; the draft's
-    cache gets the newly committed positions (their real aux features from the verification
-    forward), exactly the state vLLM's proposer starts its next proposal from.
-    """
-    from transformers import DynamicCache
-
-    past = DynamicCache()
-    out = target(input_ids=prompt[None], past_key_values=past, use_cache=True,
-                 output_hidden_states=True)
-    nxt = out.logits[0, -1].argmax() if first_token is None else torch.tensor(first_token)
-    tokens, accepted = [int(nxt)], []
-    cache = runner.new_cache()
-    hidden, first = runner.prefill(aux_features(out.hidden_states, aux_ids),
-                                   torch.cat([prompt[1:], nxt[None]]), cache)
-    length = len(prompt)  # tokens in the target's cache; nxt sits at position `length`
-    while len(tokens) < max_new_tokens and not set(tokens) & set(stop_ids):
-        last = torch.tensor([cache.length - 1])
-        drafts = runner.chains(hidden[-1:], first[-1:], last, cache, k)[0]  # [k]
-        verify = torch.cat([nxt[None], drafts])  # positions length .. length + k
-        out = target(input_ids=verify[None], past_key_values=past, use_cache=True,
-                     output_hidden_states=True)
-        greedy = out.logits[0].argmax(-1)  # [k + 1]: the target's token after each input
-        a = int(accepted_lengths(drafts[None], greedy[None, :k])[0])
-        past.crop(length + a + 1)
-        new = torch.cat([drafts[:a], greedy[a:a + 1]])  # accepted drafts + the bonus token
-        aux = aux_features(out.hidden_states, aux_ids)[: a + 1]
-        hidden, first = runner.prefill(aux, new, cache)
-        accepted.append(a)
-        tokens.extend(int(t) for t in new)
-        nxt, length = new[-1], length + a + 1
-    # Generation ends at the first stop token (a step may have accepted tokens past it).
-    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens) - 1)
-    return LiveResult(tokens[: stop + 1], accepted)
-
-
-@torch.no_grad()
-def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, stop_ids: Sequence[int]) -> list[int]:
-    """Plain greedy decoding (the reference speculative decoding must reproduce)."""
-    out = target.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=list(stop_ids), pad_token_id=int(stop_ids[0]))
-    return out[0, len(prompt):].tolist()
-
-
 def _statistic(totals: torch.Tensor, which: str) -> torch.Tensor:
     """tau or conditional acceptance at position j ("p1", "p2", ...) from counts [..., k + 1]."""
     if which == "tau":
@@ -635,86 +569,74 @@ def paired_difference(a: Counts, b: Counts, which: str, resamples: int, level: f
     return {"statistic": which, "difference": point, "ci": [lo, hi], "agrees": lo <= 0 <= hi}
 
 
-@torch.no_grad()
-def hf_sample(target, tokens: torch.Tensor, reply_from: int, aux_ids: Sequence[int]) -> Sample:
-    """A Sample from a transformers forward: what extraction stores, in float32.
-
-    tokens [T]; loss_mask marks positions >= reply_from (the generated reply).
-    """
-    out = target(input_ids=tokens[None], output_hidden_states=True)
-    mask = torch.zeros(len(tokens), dtype=torch.bool)
-    mask[reply_from:] = True
-    return Sample(tokens, mask, aux_features(out.hidden_states, aux_ids),
-                  out.logits[0].argmax(-1))
-
-
-def live_vs_offline(target, runner: DraftRunner, samples: Sequence[Sample], aux_ids: Sequence[int],
-                    k: int, stop_ids: Sequence[int], stats: dict, limit: int | None = None) -> dict:
-    """The real loop from each stored reply's prompt vs the offline walk through that reply.
-
-    Per reply (at most ``limit``): the loop starts from the stored tokens before the reply and
-    generates until a stop token or the stored reply's length; the offline estimate walks the
-    stored reply on its stored states.  Where the stored reply is the target's own greedy
-    reply (``regenerate.replies=target``), the loop reproduces it token for token
-    (``text_mismatches`` counts replies where it did not) and every stored context is the one
-    the loop verifies, so both take the same steps with the same verdicts: the loop's tau must
-    fall inside the offline CI and their paired difference must contain 0.  Only the walk's
-    steps are compared (it stops where a step would run past the stored reply).
-    """
-    live, offline, text_mismatches, other_verdicts = [], [], 0, 0
-    proposer = Eagle3Draft(runner)
+def held_out_replies(samples: Sequence[Sample], limit: int | None = None) -> list[tuple[Sample, int, int]]:
+    """(sample, a, b) per assistant reply: prompt = input_ids[:a], reply = input_ids[a:b]."""
     replies = [(sample, a, b) for sample in samples for a, b in reply_spans(sample.loss_mask.tolist())]
-    for sample, a, b in replies[:limit]:
+    return replies[:limit]
+
+
+def first_difference(stored: Sequence[int], produced: Sequence[int]) -> dict:
+    """Where two token sequences part: the position and both tokens (None past an end)."""
+    for i in range(max(len(stored), len(produced))):
+        a = stored[i] if i < len(stored) else None
+        b = produced[i] if i < len(produced) else None
+        if a != b:
+            return {"position": i, "stored": a, "vllm": b, "stored_length": len(stored),
+                    "vllm_length": len(produced)}
+    return {}
+
+
+def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequence[dict],
+                    proposer, k: int, stats: dict) -> dict:
+    """vLLM's own speculative decoding of each held-out prompt vs the offline walk of its reply.
+
+    ``measured[i]`` is vLLM's decode of reply i's prompt (draftline.serving.measure_replies):
+    its tokens and the accepted draft tokens of every verification step.  Where the stored
+    reply is the target's own greedy reply (``regenerate.replies=target``) vLLM reproduces it
+    token for token (``text_mismatches`` counts and locates the replies where it did not) and
+    verifies exactly the contexts the offline walk scores, so on the steps both take (vLLM
+    also takes a last step that would run past the stored reply, which the walk cannot score)
+    they give the same verdicts.  They agree when vLLM's tau and its acceptance at every
+    position lie inside the offline CIs and the paired tau difference on the shared steps has
+    a CI containing 0.
+    """
+    if len(replies) != len(measured):
+        raise ValueError(f"{len(measured)} vLLM decodes for {len(replies)} replies")
+    full, shared, offline, mismatches, other_verdicts = [], [], [], [], 0
+    for index, ((sample, a, b), decoded) in enumerate(zip(replies, measured, strict=True)):
         mask = torch.zeros_like(sample.loss_mask)
         mask[a:b] = True
         sim = simulate(proposer, [dataclasses.replace(sample, loss_mask=mask)], k)[0]
-        steps = sim.accepted[sim.steps]
-        result = speculative_generate(target, runner, sample.input_ids[:a], aux_ids, k, b - a, stop_ids)
-        text_mismatches += result.tokens != sample.input_ids[a:b].tolist()
-        loop = torch.tensor(result.accepted[: len(steps)], dtype=torch.long)
-        other_verdicts += int((loop != steps[: len(loop)]).sum())
-        live.append(loop)
-        offline.append(steps[: len(loop)])
-    live_counts, off_counts = Counts.from_lengths(live, k), Counts.from_lengths(offline, k)
-    live_result, off_result = bootstrap(live_counts, **stats), bootstrap(off_counts, **stats)
-    paired = paired_difference(live_counts, off_counts, "tau", **stats)
-    inside = off_result["tau_ci"][0] <= live_result["tau"] <= off_result["tau_ci"][1]
-    return {"replies": len(live), "text_mismatches": text_mismatches,
-            "steps_with_other_verdict": other_verdicts,
-            "live": live_result, "offline": off_result, "paired_difference": paired,
-            "live_tau_inside_offline_ci": inside, "agrees": inside and paired["agrees"]}
-
-
-def live_heldout_contexts(target, runner: DraftRunner, samples: Sequence[Sample],
-                          aux_ids: Sequence[int], k: int, stride: int, stop_ids: Sequence[int],
-                          stats: dict) -> dict:
-    """One real verification step at every ``stride``-th step of the offline walk.
-
-    Same contexts (the held-out text up to x_{t+1}); the loop's target verifies the draft's
-    own chain, where the offline estimate scores positions >= 2 against the data prefix.  So
-    first-position acceptance must agree, and the tau gap measures the teacher-forcing bias.
-    """
-    live, offline = [], []
-    for sample, sim in zip(samples, simulate(Eagle3Draft(runner), samples, k), strict=True):
-        chosen = sim.steps[::stride]
-        offline.append(sim.accepted[chosen])
-        live.append(torch.tensor([speculative_generate(
-            target, runner, sample.input_ids[:t + 1], aux_ids, k, 2, stop_ids,
-            first_token=int(sample.input_ids[t + 1])).accepted[0]
-            for t in sim.starts[chosen].tolist()], dtype=torch.long))
-    live_counts, off_counts = Counts.from_lengths(live, k), Counts.from_lengths(offline, k)
-    return {"stride": stride, "live": bootstrap(live_counts, **stats),
-            "offline": bootstrap(off_counts, **stats),
-            "first_position": paired_difference(live_counts, off_counts, "p1", **stats),
-            "tau_gap": paired_difference(live_counts, off_counts, "tau", **stats)}
-
-
-def load_target(target_dir: str | Path):
-    """The target in transformers: float32, CPU, eval (what the live loop verifies with)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(target_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
+        walk_steps = sim.accepted[sim.steps]
+        steps = torch.tensor(decoded["accepted"], dtype=torch.long)
+        n = min(len(steps), len(walk_steps))
+        other_verdicts += int((steps[:n] != walk_steps[:n]).sum())
+        full.append(steps)
+        shared.append(steps[:n])
+        offline.append(walk_steps[:n])
+        stored = sample.input_ids[a:b].tolist()
+        if decoded["tokens"] != stored:
+            mismatches.append({"reply": index, **first_difference(stored, decoded["tokens"])})
+    vllm_counts = Counts.from_lengths(full, k)
+    shared_counts, off_counts = Counts.from_lengths(shared, k), Counts.from_lengths(offline, k)
+    vllm_result, off_result = bootstrap(vllm_counts, **stats), bootstrap(off_counts, **stats)
+    paired = paired_difference(shared_counts, off_counts, "tau", **stats)
+    positions = [paired_difference(shared_counts, off_counts, f"p{j}", **stats)
+                 for j in range(1, k + 1)]
+    inside = off_result["tau_ci"][0] <= vllm_result["tau"] <= off_result["tau_ci"][1]
+    inside_by_position = [lo <= rate <= hi for rate, (lo, hi) in
+                          zip(vllm_result["acceptance"], off_result["acceptance_ci"], strict=True)]
+    totals = vllm_counts.at_least.sum(0)
+    return {"replies": len(full), "text_mismatches": len(mismatches), "mismatched": mismatches,
+            "steps_with_other_verdict": other_verdicts, "shared_steps": int(shared_counts.at_least[:, 0].sum()),
+            "vllm": vllm_result, "offline": off_result,
+            # accepted at position j per verification step: vLLM's own per-position rate
+            "vllm_unconditional": [float(totals[j]) / max(int(totals[0]), 1) for j in range(1, k + 1)],
+            "offline_unconditional": [float(off_counts.at_least[:, j].sum()) /
+                                      max(int(off_counts.at_least[:, 0].sum()), 1) for j in range(1, k + 1)],
+            "paired_difference": paired, "paired_by_position": positions,
+            "vllm_tau_inside_offline_ci": inside, "vllm_acceptance_inside_offline_ci": inside_by_position,
+            "agrees": inside and all(inside_by_position) and paired["agrees"]}
 
 
 # --------------------------------------------------------------------------- vLLM loadability

@@ -28,8 +28,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss ([0-9.eE+-]+) \| (.*?) \| lr")
 TTT_PART = re.compile(r"ttt(\d+) loss ([0-9.eE+-]+) acc ([0-9.eE+-]+) cond ([0-9.eE+-]+)")
 COLORS = {"eagle3": "#1f77b4", "bigram": "#ff7f0e", "most_frequent": "#7f7f7f"}
-LIVE_PARTS = (("stored_replies", "live, held-out replies", "replies"),
-              ("heldout_contexts", "live, held-out contexts", "steps"))
 
 
 @dataclasses.dataclass
@@ -148,12 +146,11 @@ def acceptance_figure(evaluation: dict, dpi: int) -> Figure:
         r = offline[name]
         labels.append(name), taus.append(r["tau"]), colors.append(COLORS.get(name, "#999999"))
         errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
-    live = evaluation.get("live") or {}
-    for key, label in (("stored_replies", "live (held-out replies)"), ("heldout_contexts", "live (held-out ctx)")):
-        if key in live:
-            r = live[key]["live"]
-            labels.append(label), taus.append(r["tau"]), colors.append("#2ca02c")
-            errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
+    measured = evaluation.get("in_vllm")
+    if measured:
+        r = measured["vllm"]
+        labels.append("in vLLM (held-out prompts)"), taus.append(r["tau"]), colors.append("#2ca02c")
+        errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
     ax_tau.bar(range(len(labels)), taus, yerr=errs, capsize=4, color=colors)
     ax_tau.set_xticks(range(len(labels)), labels, rotation=25, ha="right", fontsize=8)
     ax_tau.set(ylabel="tau (tokens per verification step)", ylim=(1, k + 1),
@@ -231,36 +228,32 @@ def acceptance_rows(evaluation: dict) -> list[list[Any]]:
     for name, r in evaluation["offline"].items():
         rows.append([name, "offline (stored states)", r["tau"], ci(r["tau_ci"]),
                      ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
-    for key, label, unit in LIVE_PARTS:
-        part = (evaluation.get("live") or {}).get(key)
-        if part:
-            r = part["live"]
+    measured = evaluation.get("in_vllm")
+    if measured:
+        for label, r in (("vLLM's own speculative decoding, held-out prompts", measured["vllm"]),
+                         ("offline on the same replies", measured["offline"])):
             rows.append(["eagle3", label, r["tau"], ci(r["tau_ci"]),
                          ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
-            other = part["offline"]
-            rows.append(["eagle3", f"offline on the same {unit}",
-                         other["tau"], ci(other["tau_ci"]),
-                         ", ".join(f"{a:.3f}" for a in other["acceptance"]), other["steps"]])
     return rows
 
 
 def agreement_rows(evaluation: dict) -> list[list[Any]]:
-    live = evaluation.get("live") or {}
-    rows = []
-    stored = live.get("stored_replies")
-    if stored:
-        rows.append(["live tau inside the offline CI, same held-out replies", "tau",
-                     stored["live"]["tau"], ci(stored["offline"]["tau_ci"]),
-                     "yes" if stored["live_tau_inside_offline_ci"] else "no"])
-    checks = [("stored_replies", "paired_difference", "live vs offline, same held-out replies"),
-              ("heldout_contexts", "first_position", "live vs offline, held-out contexts"),
-              ("heldout_contexts", "tau_gap",
-               "live vs offline, held-out contexts (teacher-forcing gap, expected >= 0)")]
-    for part, key, label in checks:
-        if part in live:
-            d = live[part][key]
-            rows.append([label, d["statistic"], d["difference"], ci(d["ci"]),
-                         "yes" if d["agrees"] else "no"])
+    measured = evaluation.get("in_vllm")
+    if not measured:
+        return []
+    rows = [["vLLM's tau inside the offline CI, same held-out replies", "tau",
+             measured["vllm"]["tau"], ci(measured["offline"]["tau_ci"]),
+             "yes" if measured["vllm_tau_inside_offline_ci"] else "no"]]
+    for j, (rate, bounds, inside) in enumerate(zip(
+            measured["vllm"]["acceptance"], measured["offline"]["acceptance_ci"],
+            measured["vllm_acceptance_inside_offline_ci"], strict=True), 1):
+        rows.append([f"vLLM's acceptance at position {j} inside the offline CI", f"p{j}", rate,
+                     ci(bounds), "yes" if inside else "no"])
+    d = measured["paired_difference"]
+    rows.append([f"vLLM vs offline on the {measured['shared_steps']} shared steps (paired)",
+                 d["statistic"], d["difference"], ci(d["ci"]), "yes" if d["agrees"] else "no"])
+    rows.append([f"replies vLLM decoded to other text (of {measured['replies']})", "count",
+                 measured["text_mismatches"], "", "yes" if not measured["text_mismatches"] else "no"])
     return rows
 
 
@@ -333,7 +326,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
                  (metrics.get("validation") or {}).get(f"loss_{k}", ""),
                  (metrics.get("validation") or {}).get(f"full_acc_{k}", ""),
                  (metrics.get("validation") or {}).get(f"cond_acc_{k}", "")] for k in ttt]
-    vllm = evaluation.get("vllm")
+    vllm = evaluation.get("vllm_load")
     vllm_html = "<p>vLLM load check skipped.</p>" if not vllm else (
         f"<p>vLLM {html.escape(manifests['evaluate']['provenance']['versions'].get('vllm', '?'))} "
         f"parses the saved draft as <code>{html.escape(str(vllm['architectures']))}</code> "

@@ -1,4 +1,4 @@
-"""evaluate: acceptance of the trained draft on the held-out split, baselines, live loop, vLLM load.
+"""evaluate: acceptance of the trained draft on the held-out split, baselines, in vLLM, vLLM load.
 
     make evaluate EXP=tiny-trained          # or: python -m stages.evaluate experiment=tiny-trained
 
@@ -37,55 +37,52 @@ def check_features(draft: Path, extract: dict) -> list[int]:
     return wanted
 
 
-def target_gib(model_dir: str | Path) -> float:
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**30
+def measure_in_vllm(cfg: DictConfig, draft: Path, k: int, samples: list, proposer, stats: dict,
+                    skipped: list, on_target_text: bool) -> dict | None:
+    """vLLM's own greedy speculative decoding of the held-out prompts, step by step, against
+    the offline walk of the same replies (draftline.evaluation.vllm_vs_offline)."""
+    from draftline import evaluation, regeneration, serving
 
-
-def live_check(cfg: DictConfig, runner, samples: list, aux_ids: list[int], k: int,
-               stats: dict, skipped: list, on_target_text: bool) -> dict | None:
-    """The real loop (target in transformers), unless switched off or the target is too big here.
-
-    ``stored_replies``: the loop from every held-out reply's prompt vs the offline walk through
-    the stored reply.  On the target's own replies (regenerate.replies=target) the two must
-    agree, or the stage fails: then the offline number is not what serving would measure.
-    On the data's replies the offline number is teacher-forced beyond the first position;
-    ``heldout_contexts`` then measures that gap with one real step per sampled context.
-    """
-    from draftline import evaluation, regeneration
-
-    live = cfg.evaluate.live
+    live = cfg.evaluate.vllm
     if not live.enabled:
-        skipped.append({"what": "live loop", "reason": "evaluate.live.enabled=false"})
+        skipped.append({"what": "acceptance in vLLM", "reason": "evaluate.vllm.enabled=false"})
         return None
-    size = target_gib(cfg.model.path)
-    if size > float(live.max_target_gib):
-        skipped.append({"what": "live loop", "reason": f"target is {size:.1f} GiB > "
-                        f"evaluate.live.max_target_gib={live.max_target_gib}"})
-        return None
-    target = evaluation.load_target(cfg.model.path)
-    stops = regeneration.stop_token_ids(cfg.model.path)
-    stored = evaluation.live_vs_offline(target, runner, samples, aux_ids, k, stops, stats,
-                                        live.max_replies)
-    log.info("live loop on %d held-out replies: tau %.3f, offline on the same replies %.3f "
-             "[%.3f, %.3f]; %d replies generated other text; %s", stored["replies"],
-             stored["live"]["tau"], stored["offline"]["tau"], *stored["offline"]["tau_ci"],
-             stored["text_mismatches"], "agree" if stored["agrees"] else "DISAGREE")
-    result = {"on_target_text": on_target_text, "stored_replies": stored}
-    if on_target_text:
-        if live.require_agreement and not stored["agrees"]:
-            raise AssertionError(
-                f"live tau {stored['live']['tau']:.3f} vs offline {stored['offline']['tau']:.3f} "
-                f"{stored['offline']['tau_ci']} on the target's own held-out replies: they must "
-                f"agree (paired difference {stored['paired_difference']}); the stored features "
-                "are not what the draft sees at serving time")
-    else:
-        contexts = evaluation.live_heldout_contexts(
-            target, runner, samples, aux_ids, k, int(live.context_stride), stops, stats)
-        log.info("live held-out contexts: tau %.3f vs offline %.3f on the same %d steps (the "
-                 "data's replies: teacher-forced beyond position 1)", contexts["live"]["tau"],
-                 contexts["offline"]["tau"], contexts["live"]["steps"])
-        result["heldout_contexts"] = contexts
+    replies = evaluation.held_out_replies(samples, live.max_replies)
+    options = config.engine_options(cfg, live)
+    measured = serving.measure_replies(
+        options, draft.absolute(), k, [s.input_ids[:a].tolist() for s, a, _ in replies],
+        [b - a for _, a, b in replies], regeneration.stop_token_ids(cfg.model.path))
+    result = evaluation.vllm_vs_offline(replies, measured["replies"], proposer, k, stats)
+    result["counters"] = measured["counters"]
+    result["on_target_text"] = on_target_text
+    log.info("vLLM on %d held-out replies: tau %.3f (acceptance %s), offline on the same replies "
+             "%.3f [%.3f, %.3f] (%s); %d replies decoded to other text; paired difference on "
+             "the %d shared steps %.4f [%.4f, %.4f]; %s", result["replies"], result["vllm"]["tau"],
+             [round(a, 3) for a in result["vllm"]["acceptance"]], result["offline"]["tau"],
+             *result["offline"]["tau_ci"], [round(a, 3) for a in result["offline"]["acceptance"]],
+             result["text_mismatches"], result["shared_steps"],
+             result["paired_difference"]["difference"], *result["paired_difference"]["ci"],
+             "agrees" if result["agrees"] else "DISAGREES")
     return result
+
+
+def vllm_failures(cfg: DictConfig, measured: dict | None) -> list[str]:
+    """On the target's own replies vLLM must reproduce them and agree with the offline walk."""
+    if measured is None or not measured["on_target_text"]:
+        return []
+    live, failures = cfg.evaluate.vllm, []
+    if measured["text_mismatches"] > int(live.max_text_mismatches):
+        failures.append(f"vLLM decoded {measured['text_mismatches']} of {measured['replies']} "
+                        f"stored replies to other text (evaluate.vllm.max_text_mismatches="
+                        f"{live.max_text_mismatches}); first differences: {measured['mismatched'][:3]}")
+    if live.require_agreement and not measured["agrees"]:
+        failures.append(
+            f"vLLM's tau {measured['vllm']['tau']:.3f} (acceptance {measured['vllm']['acceptance']}) "
+            f"disagrees with the offline estimate {measured['offline']['tau']:.3f} "
+            f"{measured['offline']['tau_ci']} (acceptance CIs {measured['offline']['acceptance_ci']}) "
+            f"on the same replies; paired difference {measured['paired_difference']}: the offline "
+            "number is not what vLLM serves (features from other layers, or another draft)")
+    return failures
 
 
 def read_gate(cfg: DictConfig, k: int) -> dict | None:
@@ -146,7 +143,7 @@ def run(cfg: DictConfig) -> dict:
     skipped: list[dict] = []
     regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
     on_target_text = regenerated["replies"] == "target"
-    live = live_check(cfg, runner, samples, aux_ids, k, stats, skipped, on_target_text)
+    measured = measure_in_vllm(cfg, draft, k, samples, proposers[0], stats, skipped, on_target_text)
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = evaluation.check_vllm_load(draft, cfg.model.path, k,
@@ -158,15 +155,18 @@ def run(cfg: DictConfig) -> dict:
         "draft": str(draft), "k": k, "aux_layer_ids": aux_ids,
         "replies": "the target's own (regenerated)" if on_target_text else "the data's",
         "held_out_samples": len(samples), "alignment": evaluation.ALIGNMENT,
-        "ci": {"method": "percentile bootstrap over held-out samples (prompts for live)",
+        "ci": {"method": "percentile bootstrap over held-out samples (replies for vLLM)",
                "resamples": stats["resamples"], "level": stats["level"]},
         "offline": offline,
         "baselines_from": "training-split assistant-token counts "
                           "(unigram mode; bigram argmax with unigram back-off)",
         "draft_vocab_coverage_of_greedy": evaluation.greedy_coverage(samples, model.t2d, k),
-        "live": live, "vllm": vllm,
+        "in_vllm": measured, "vllm_load": vllm,
     }
-    artifacts.write_json(out_dir / "results.json", results)  # kept even when the gate fails
+    artifacts.write_json(out_dir / "results.json", results)  # kept even when a check fails
+    failures = vllm_failures(cfg, measured)
+    if failures:
+        raise RuntimeError("; ".join(failures))
     gate = apply_gate(read_gate(cfg, k), offline["eagle3"]["tau"], cfg.evaluate.gate)
     return {
         **results, "gate": gate, "results": "results.json", "skipped": skipped,

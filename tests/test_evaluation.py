@@ -1,10 +1,10 @@
-"""Draft evaluation: alignment, statistics, baselines, the serving-style rollout, the live loop,
-vLLM loadability, the tau gate.
+"""Draft evaluation: alignment, statistics, baselines, the serving-style rollout, acceptance in
+vLLM against the offline walk, vLLM loadability, the tau gate.
 
 Default tier: synthetic data and a tiny random target/draft built here (about a minute, the
 vLLM load check included).  `slow` tier: the gated smoke run EXP=tiny-trained (built by
 `make target` / `make report EXP=tiny-trained`, or here when missing): the draft beats both
-baselines, the live loop agrees with the offline simulation, the gate passes and catches a
+baselines, vLLM's own acceptance agrees with the offline simulation, the gate passes and catches a
 draft with a shuffled d2t.
 """
 
@@ -161,42 +161,69 @@ def test_serving_rollout_matches_speculators_ttt_forward(pair):
     assert torch.equal(ours, theirs)
 
 
-def test_speculative_decoding_is_lossless_and_the_simulation_takes_its_steps(pair):
-    """On the target's own greedy text, the offline walk takes the live loop's steps exactly."""
-    target_dir, draft_dir = pair
-    target = ev.load_target(target_dir)
-    runner = ev.DraftRunner(ev.load_draft(draft_dir, target_dir))
-    stops = regeneration.stop_token_ids(target_dir)
-    prompts = [torch.tensor([0, 4, 60 + i, 70, 80, 6, 5]) for i in range(3)]
-    samples = []
-    for prompt in prompts:
-        reply = ev.greedy_generate(target, prompt, 24, stops)
-        result = ev.speculative_generate(target, runner, prompt, [1, 2, 3], 3, 24, stops)
-        assert result.tokens == reply
-        samples.append(ev.hf_sample(target, torch.cat([prompt, torch.tensor(reply)]), len(prompt), [1, 2, 3]))
-    stats = {"resamples": 100, "level": 0.95, "seed": 0}
-    live = ev.live_vs_offline(target, runner, samples, [1, 2, 3], 3, stops, stats)
-    assert live["replies"] == 3 and live["text_mismatches"] == 0
-    assert live["steps_with_other_verdict"] == 0 and live["live"]["steps"] > 10
-    assert live["agrees"] and live["live"]["tau"] == live["offline"]["tau"]
+@torch.no_grad()
+def hf_sample(target, tokens: torch.Tensor, reply_from: int, aux_ids: list[int]) -> ev.Sample:
+    """What extraction stores for ``tokens``, from transformers in float32: HF hidden_states[i]
+    is the input of layer i; loss_mask marks the reply (positions >= reply_from)."""
+    out = target(input_ids=tokens[None], output_hidden_states=True)
+    mask = torch.zeros(len(tokens), dtype=torch.bool)
+    mask[reply_from:] = True
+    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], -1)
+    return ev.Sample(tokens, mask, aux, out.logits[0].argmax(-1))
 
 
-def test_live_and_offline_disagree_when_the_stored_features_are_wrong(pair):
-    """The check can fail: features from the layer after the aux ids make the offline walk differ."""
+@pytest.fixture(scope="module")
+def decoded(pair):
+    """The target's own greedy replies to six prompts (vLLM without the draft), the samples
+    extraction would store for them (HF), and vLLM's speculative decoding of the prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from draftline import serving
+
     target_dir, draft_dir = pair
-    target = ev.load_target(target_dir)
-    runner = ev.DraftRunner(ev.load_draft(draft_dir, target_dir))
+    options = serving.EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
     stops = regeneration.stop_token_ids(target_dir)
-    samples = []
-    for i in range(6):
-        prompt = torch.tensor([0, 4, 60 + i, 70, 80, 6, 5])
-        reply = torch.tensor(ev.greedy_generate(target, prompt, 24, stops))
-        good = ev.hf_sample(target, torch.cat([prompt, reply]), len(prompt), [1, 2, 3])
-        shifted = ev.hf_sample(target, torch.cat([prompt, reply]), len(prompt), [2, 3, 4])
-        samples.append(dataclasses.replace(good, aux=shifted.aux))
-    live = ev.live_vs_offline(target, runner, samples, [1, 2, 3], 3, stops,
-                              {"resamples": 100, "level": 0.95, "seed": 0})
-    assert live["text_mismatches"] == 0 and live["steps_with_other_verdict"] > 0
+    prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
+    replies = serving.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    samples = {ids: [hf_sample(target, torch.tensor(p + r), len(p), list(ids))
+                     for p, r in zip(prompts, replies, strict=True)]
+               for ids in ((1, 2, 3), (2, 3, 4))}
+    measured = serving.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
+    return samples, measured, ev.DraftRunner(ev.load_draft(draft_dir, target_dir))
+
+
+STATS = {"resamples": 200, "level": 0.95, "seed": 0}
+
+
+@pytest.mark.vllm
+def test_vllm_speculative_decoding_is_lossless_and_takes_the_simulated_steps(decoded):
+    """On the target's own greedy text, vLLM's steps are the offline walk's, verdict for verdict."""
+    samples, measured, runner = decoded
+    replies = ev.held_out_replies(samples[(1, 2, 3)])
+    result = ev.vllm_vs_offline(replies, measured["replies"], ev.Eagle3Draft(runner), 3, STATS)
+    print({key: result[key] for key in ("text_mismatches", "steps_with_other_verdict", "shared_steps")},
+          "vllm", round(result["vllm"]["tau"], 3), "offline", round(result["offline"]["tau"], 3))
+    assert result["replies"] == 6 and result["text_mismatches"] == 0
+    assert result["shared_steps"] > 20 and result["steps_with_other_verdict"] == 0
+    assert result["paired_difference"]["difference"] == 0 and result["agrees"]
+    # vLLM's own counters add up to the per-step record.
+    counters = measured["counters"]
+    assert counters["drafts"] == sum(len(r["accepted"]) for r in measured["replies"])
+    assert counters["accepted"] == sum(sum(r["accepted"]) for r in measured["replies"])
+
+
+@pytest.mark.vllm
+def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
+    """Features from the layer after each aux id (what an off-by-one extraction stores): the
+    offline walk no longer takes vLLM's verdicts, and the agreement check says so."""
+    samples, measured, runner = decoded
+    good, shifted = samples[(1, 2, 3)], samples[(2, 3, 4)]
+    wrong = [dataclasses.replace(g, aux=s.aux) for g, s in zip(good, shifted)]
+    result = ev.vllm_vs_offline(ev.held_out_replies(wrong), measured["replies"],
+                                ev.Eagle3Draft(runner), 3, STATS)
+    print(result["steps_with_other_verdict"], result["paired_difference"])
+    assert result["steps_with_other_verdict"] > 0 and not result["agrees"]
 
 
 def test_offline_evaluation_refuses_features_the_draft_does_not_expect(pair):
@@ -279,14 +306,13 @@ def test_trained_draft_beats_both_baselines(smoke_run):
 
 
 @pytest.mark.slow
-def test_live_loop_agrees_with_the_offline_estimate(smoke_run):
-    live = json.loads((smoke_run / "evaluate/results.json").read_text())["live"]
-    assert live["on_target_text"], "EXP=tiny-trained evaluates on the target's own replies"
-    stored = live["stored_replies"]
-    print({"live": stored["live"]["tau"], "offline": stored["offline"]["tau"],
-           "offline_ci": stored["offline"]["tau_ci"], "text_mismatches": stored["text_mismatches"]})
-    assert stored["agrees"] and stored["live_tau_inside_offline_ci"], stored["paired_difference"]
-    assert stored["replies"] > 20
+def test_vllm_acceptance_agrees_with_the_offline_estimate(smoke_run):
+    measured = json.loads((smoke_run / "evaluate/results.json").read_text())["in_vllm"]
+    assert measured["on_target_text"], "EXP=tiny-trained evaluates on the target's own replies"
+    print({"vllm": measured["vllm"]["tau"], "offline": measured["offline"]["tau"],
+           "offline_ci": measured["offline"]["tau_ci"], "text_mismatches": measured["text_mismatches"]})
+    assert measured["agrees"] and measured["vllm_tau_inside_offline_ci"], measured["paired_difference"]
+    assert measured["replies"] > 20
 
 
 def _broken_run(smoke_run: Path, tmp_path: Path) -> Path:
@@ -311,7 +337,7 @@ def test_gate_passes_the_smoke_run_and_catches_a_shuffled_d2t(smoke_run, tmp_pat
     assert manifest["gate"]["checked"] and manifest["gate"]["passed"]
     run = _broken_run(smoke_run, tmp_path)
     broken = _run(sys.executable, "-m", "stages.evaluate", "experiment=tiny-trained", f"run_dir={run}",
-                  f"evaluate.draft={tmp_path / 'draft'}", "evaluate.live.enabled=false",
+                  f"evaluate.draft={tmp_path / 'draft'}", "evaluate.vllm.enabled=false",
                   "evaluate.vllm_check=false")
     assert broken.returncode != 0 and "below the floor" in broken.stdout + broken.stderr
     assert not (run / "evaluate/manifest.json").exists()

@@ -66,6 +66,8 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
         assert provenance["config_sha256"] and provenance["versions"]["speculators"] == "0.3.0"
         assert [p["name"] for p in provenance["patches"]] == sorted(
             p.name for p in (REPO / "patches").glob("*.diff"))
+        assert [p["name"] for p in provenance["vllm_patches"]] == sorted(
+            p.name for p in (REPO / "patches" / "vllm").glob("*.diff"))
     extract = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
     assert extract["num_tokens"] == sum(s["tokens"] for s in extract["shards"])
     assert all(s["seconds"] > 0 and s["finished_unix"] > 0 for s in extract["shards"])

@@ -71,11 +71,12 @@ def run_dir(tmp_path) -> Path:
                "ci": {"method": "bootstrap over samples", "resamples": 100, "level": 0.95},
                "offline": {"eagle3": _result(1.9), "most_frequent": _result(1.1), "bigram": _result(1.4)},
                "baselines_from": "training counts", "draft_vocab_coverage_of_greedy": 0.9,
-               "live": {"stored_replies": {"live": _result(2.0), "offline": _result(2.0),
-                                           "live_tau_inside_offline_ci": True,
-                                           "paired_difference": {"statistic": "tau", "difference": 0.0,
-                                                                 "ci": [0.0, 0.0], "agrees": True}}},
-               "vllm": None}
+               "in_vllm": {"vllm": _result(2.0), "offline": _result(2.0), "replies": 4, "shared_steps": 9,
+                           "text_mismatches": 0, "vllm_tau_inside_offline_ci": True,
+                           "vllm_acceptance_inside_offline_ci": [True, True],
+                           "paired_difference": {"statistic": "tau", "difference": 0.0,
+                                                 "ci": [0.0, 0.0], "agrees": True}},
+               "vllm_load": None}
     (run / "evaluate").mkdir()
     artifacts.write_json(run / "evaluate/results.json", results)
     _write(run / "evaluate", {"results": "results.json", "skipped": [],
