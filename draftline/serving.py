@@ -43,7 +43,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 16           # sequences per batch
     trust_remote_code: bool = False  # run Python shipped in the model directory
-    limit_mm_per_prompt: dict | None = None  # {"image": 0, "video": 0}: multimodal target, text only
+    limit_mm_per_prompt: dict | None = None  # {"vision_chunk": 0}: a multimodal target (Kimi-K2.5) run text-only
     mla_disable: bool = False        # VLLM_MLA_DISABLE=1 (vLLM's CPU platform has no MLA)
     cpu_kvcache_gib: float = 1.0     # VLLM_CPU_KVCACHE_SPACE on the CPU platform (GiB)
     seed: int = 0

@@ -53,7 +53,8 @@ def ensure_assets(cfg) -> None:
     if cfg.model.build and not (model_dir / "config.json").exists():
         from draftline import tiny
 
-        builders = {"tiny_llama": tiny.build_tiny_llama, "tiny_deepseek_v3": tiny.build_tiny_deepseek_v3}
+        builders = {"tiny_llama": tiny.build_tiny_llama, "tiny_deepseek_v3": tiny.build_tiny_deepseek_v3,
+                    "tiny_kimi_k25": tiny.build_tiny_kimi_k25}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
     data_path = Path(cfg.data.path)
     if cfg.data.build and not data_path.exists():

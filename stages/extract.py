@@ -72,7 +72,7 @@ def make_generator(cfg: DictConfig):
 
 
 def limit_mm_per_prompt(cfg: DictConfig) -> dict | None:
-    """Multimodal targets (Kimi-K2.5) run text-only: no image or video budget."""
+    """Multimodal targets (Kimi-K2.5) run text-only: no budget for any modality."""
     limits = cfg.model.get("limit_mm_per_prompt")
     return None if limits is None else {str(k): int(v) for k, v in limits.items()}
 

@@ -5,7 +5,10 @@ layer i, which is transformers' ``hidden_states[i]``; the last slot is the final
 after the final norm, which is transformers' ``hidden_states[num_layers]``.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,9 @@ NUM_LLAMA_LAYERS = 6
 LLAMA_AUX_IDS = [2, 3, 4]  # vLLM's default (2, n//2, n-3) for n = 6
 NUM_DSV3_LAYERS = 4
 DSV3_AUX_IDS = [1, 2, 3]  # layer 0 is dense, 1..3 are MoE
+# vLLM 0.16's Kimi-K2.5 has a single modality, "vision_chunk" (image and video limits do not
+# apply to it): zero runs it text-only, with no vision tower and no multimodal profiling.
+KIMI_TEXT_ONLY = {"vision_chunk": 0}
 # Six prompts for three sequence slots and a 64-token budget: queueing and chunked prefill.
 PROMPT_LENGTHS = (191, 7, 40, 130, 64, 1)
 MAX_NUM_SEQS = 3
@@ -46,7 +52,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     ]
 
 
-def _make_generator(model_dir, layer_ids):
+def _make_generator(model_dir, layer_ids, **kwargs):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     return VllmHiddenStatesGenerator(
@@ -56,6 +62,7 @@ def _make_generator(model_dir, layer_ids):
         dtype="float32",  # compare with HF in float32 ("auto" would downcast to bf16)
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=TOKEN_BUDGET,
+        **kwargs,
     )
 
 
@@ -77,6 +84,17 @@ def llama(tmp_path_factory, cpu_engine_env):
 def deepseek(tmp_path_factory, cpu_engine_env):
     yield from _built_engine(tmp_path_factory, "dsv3", tiny.build_tiny_deepseek_v3,
                              NUM_DSV3_LAYERS, DSV3_AUX_IDS)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory, cpu_engine_env):
+    """The tiny Kimi-K2.5 wrapper, text-only (patches/0006's limit_mm_per_prompt)."""
+    model_dir = tiny.build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "model",
+                                         num_layers=NUM_DSV3_LAYERS)
+    # The generator reads kimi_k25 with vLLM's config parser (patches/0006): no remote code.
+    generator = _make_generator(model_dir, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY)
+    yield model_dir, generator
+    generator.shutdown()
 
 
 def _slot_differences(model_dir, aux_ids, num_layers, prompts, results):
@@ -161,3 +179,82 @@ def test_deepseek_v3_slots_match_hf(deepseek, capsys):
     worst = _slot_differences(model_dir, DSV3_AUX_IDS, NUM_DSV3_LAYERS, prompts, results)
     _report(capsys, "deepseek_v3 (MLA disabled, MoE)", DSV3_AUX_IDS, worst)
     assert max(worst) < 1e-4, worst
+
+
+def test_kimi_k25_slots_match_hf(kimi, capsys):
+    """Extraction through the Kimi-K2.5 wrapper (get_language_model(), patches/0002) equals HF
+    DeepseekV3 run on the same language-model weights."""
+    model_dir, generator = kimi
+    model_config = generator.vllm_config.model_config
+    assert model_config.architectures == [tiny.KIMI_K25_ARCHITECTURE]
+    assert model_config.hf_config.model_type == "kimi_k25"
+    assert model_config.multimodal_config.get_limit_per_prompt("vision_chunk") == 0
+    assert type(tiny.load_hf_model(model_dir)).__name__ == "DeepseekV3ForCausalLM"
+
+    prompts = _prompts(512)
+    results = generator.generate(prompts)
+    assert [r["input_ids"].tolist() for r in results] == prompts
+    for prompt, result in zip(prompts, results):
+        assert all(h.shape == (len(prompt), 256) for h in result["hidden_states"])
+    worst = _slot_differences(model_dir, DSV3_AUX_IDS, NUM_DSV3_LAYERS, prompts, results)
+    _report(capsys, "kimi_k25 wrapper vs HF DeepseekV3 (MLA disabled, MoE)", DSV3_AUX_IDS, worst)
+    assert max(worst) < 1e-4, worst
+
+
+_KIMI_VISION_CHECK = """
+import json, sys
+import torch
+from safetensors.torch import load_file
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+from vllm.model_executor.models.kimi_k25_vit import (
+    KimiK25MultiModalProjector, MoonViT3dPretrainedModel, vision_tower_forward)
+from vllm.transformers_utils.configs.kimi_k25 import KimiK25Config
+
+if __name__ == "__main__":
+    model_dir, port = sys.argv[1], sys.argv[2]
+    config = KimiK25Config.from_pretrained(model_dir)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1, 1)
+        towers = torch.nn.Module()
+        towers.vision_tower = MoonViT3dPretrainedModel(config.vision_config, prefix="vision_tower")
+        towers.mm_projector = KimiK25MultiModalProjector(config.vision_config, prefix="mm_projector")
+    params = dict(towers.named_parameters())
+    checkpoint = {name: tensor for name, tensor in load_file(model_dir + "/model.safetensors").items()
+                  if not name.startswith("language_model.")}
+    mapped = dict(KimiK25ForConditionalGeneration.hf_to_vllm_mapper.apply(checkpoint.items()))
+    report = {"missing": sorted(set(params) - set(mapped)),
+              "unexpected": sorted(set(mapped) - set(params)),
+              "shape": sorted(n for n in params if n in mapped and params[n].shape != mapped[n].shape)}
+    if not any(report.values()):
+        for name, param in params.items():
+            getattr(param, "weight_loader", lambda p, w: p.data.copy_(w))(param, mapped[name])
+        for module in towers.modules():
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+        patches = torch.randn(4, 3, config.vision_config.patch_size, config.vision_config.patch_size)
+        out = vision_tower_forward(towers.vision_tower, patches, torch.tensor([[1, 2, 2]]),
+                                   towers.mm_projector, False)
+        report["embedding_shapes"] = [list(t.shape) for t in out]
+    print("RESULT " + json.dumps(report))
+"""
+
+
+def test_kimi_k25_vision_weights_load_into_vllm_tower(tmp_path):
+    """The tower/projector tensors are exactly what vLLM's MoonViT and projector load (after
+    KimiK25ForConditionalGeneration's name mapping), and a 2x2-patch image runs through them.
+    The text-only engine never builds the tower, so this checks it in a child process."""
+    model_dir = tiny.build_tiny_kimi_k25(tmp_path / "kimi", num_layers=2)
+    script = tmp_path / "check_vision.py"
+    script.write_text(_KIMI_VISION_CHECK)
+    port = str(29500 + os.getpid() % 1000)
+    done = subprocess.run([sys.executable, str(script), str(model_dir), port],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    report = json.loads(lines[-1][len("RESULT "):])
+    assert report == {"missing": [], "unexpected": [], "shape": [],
+                      "embedding_shapes": [[1, 256]]}, report

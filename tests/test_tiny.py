@@ -27,7 +27,8 @@ def built(tmp_path_factory):
     """Each builder run twice with seed 0 and once with seed 1."""
     root = tmp_path_factory.mktemp("tiny")
     out = {}
-    for name, fn in (("llama", tiny.build_tiny_llama), ("dsv3", tiny.build_tiny_deepseek_v3)):
+    for name, fn in (("llama", tiny.build_tiny_llama), ("dsv3", tiny.build_tiny_deepseek_v3),
+                     ("kimi", tiny.build_tiny_kimi_k25)):
         out[name] = (
             fn(root / f"{name}_a", seed=0),
             fn(root / f"{name}_b", seed=0),
@@ -115,7 +116,7 @@ def test_tokenizer_deterministic_across_processes():
 # ---------------------------------------------------------------- builders
 
 
-@pytest.mark.parametrize("name", ["llama", "dsv3"])
+@pytest.mark.parametrize("name", ["llama", "dsv3", "kimi"])
 def test_builders_deterministic(built, name):
     a, b, c = built[name]
     for f in sorted(p.name for p in a.iterdir()):
@@ -179,10 +180,79 @@ def test_deepseek_v3_files(built):
         assert f"model.layers.{i}.mlp.shared_experts.up_proj.weight" in sd
 
 
+# Kimi-K2.5's text model as a plain DeepseekV3 build: the dims build_tiny_kimi_k25 passes on.
+KIMI_TEXT_DIMS = dict(q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                      v_head_dim=64, routed_scaling_factor=2.827)
+CPU_ATTENTION_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256}
+
+
+@pytest.fixture(scope="module")
+def kimi_text_twin(tmp_path_factory):
+    """build_tiny_deepseek_v3 with the Kimi dims and seed 0: the Kimi build's text model."""
+    return tiny.build_tiny_deepseek_v3(tmp_path_factory.mktemp("twin") / "dsv3", **KIMI_TEXT_DIMS)
+
+
+def test_kimi_k25_files(built, kimi_text_twin):
+    from transformers import AutoImageProcessor, DeepseekV3Config
+    from vllm.transformers_utils.configs.kimi_k25 import KimiK25Config
+
+    from draftline import remote_code
+
+    d = built["kimi"][0]
+    assert remote_code.remote_code_references(d) == []  # no auto_map anywhere
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k25" and raw["architectures"] == [tiny.KIMI_K25_ARCHITECTURE]
+    cfg = KimiK25Config.from_pretrained(str(d))  # vLLM's own config class parses it
+    text, vision = cfg.text_config, cfg.vision_config
+    assert isinstance(text, DeepseekV3Config) and text.model_type == "deepseek_v3"
+    assert text.qk_nope_head_dim + text.qk_rope_head_dim in CPU_ATTENTION_HEAD_SIZES  # MLA off
+    assert (text.qk_nope_head_dim, text.qk_rope_head_dim, text.v_head_dim) == (64, 32, 64)
+    assert text.topk_method == "noaux_tc" and text.routed_scaling_factor == 2.827
+    assert text.num_hidden_layers == 4 and text.hidden_size == 256 and text.vocab_size == 512
+    assert cfg.media_placeholder_token_id == 512  # outside the tokenizer's 512 ids
+    assert vision.mm_hidden_size == 256 and vision.hidden_size // vision.num_attention_heads == 32
+    # The text model is the DeepseekV3 build's, tensor for tensor, under language_model.
+    sd = load_file(str(d / WEIGHTS))
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    twin = load_file(str(kimi_text_twin / WEIGHTS))
+    language = {k[len("language_model."):]: v for k, v in sd.items() if k.startswith("language_model.")}
+    assert language.keys() == twin.keys()
+    assert all(torch.equal(language[k], twin[k]) for k in twin)
+    others = sorted(k for k in sd if not k.startswith("language_model."))
+    assert all(k.startswith(("vision_tower.", "mm_projector.")) for k in others)
+    assert "mm_projector.proj.0.weight" in others and "vision_tower.encoder.blocks.1.wqkv.bias" in others
+    assert sd["mm_projector.proj.2.weight"].shape == (256, 4 * vision.hidden_size)
+    # The tokenizer is the project's; the image processor a built-in stub (text-only).
+    assert _bytes(d, "tokenizer.json") == _bytes(kimi_text_twin, "tokenizer.json")
+    processor = AutoImageProcessor.from_pretrained(str(d))
+    assert type(processor).__name__ == "BaseImageProcessor"
+    assert processor.media_tokens_calculator is None
+
+
+def test_kimi_k25_hf_reference(built, kimi_text_twin, tmp_path):
+    d = built["kimi"][0]
+    model = tiny.load_hf_model(d)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert model.config._attn_implementation == "eager"
+    ids = list(range(7, 47))
+    expected = tiny.hf_hidden_states(kimi_text_twin, ids)
+    for got, want in zip(tiny.hf_hidden_states(model, ids), expected, strict=True):
+        assert torch.equal(got, want)
+    plain = tiny.write_kimi_k25_language_model(d, tmp_path / "plain")
+    cfg = json.loads((plain / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and "text_config" not in cfg
+    assert (plain / "tokenizer.json").exists() and not (plain / "preprocessor_config.json").exists()
+    twin = load_file(str(kimi_text_twin / WEIGHTS))
+    written = load_file(str(plain / WEIGHTS))
+    assert written.keys() == twin.keys() and all(torch.equal(written[k], twin[k]) for k in twin)
+    for got, want in zip(tiny.hf_hidden_states(plain, ids), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- HF hidden states
 
 
-@pytest.mark.parametrize("name,num_layers", [("llama", 6), ("dsv3", 4)])
+@pytest.mark.parametrize("name,num_layers", [("llama", 6), ("dsv3", 4), ("kimi", 4)])
 def test_hf_hidden_states(built, tok, name, num_layers):
     d = built[name][0]
     ids = tok("import json\nprint(json.dumps({'a': [1, 2, 3]}))").input_ids
