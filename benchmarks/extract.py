@@ -55,8 +55,7 @@ def bare_prefill(model_dir: Path, batch: list[list[int]], args) -> float:
     llm = LLM(model=str(model_dir), dtype=args.dtype, max_model_len=args.prompt_len + 16,
               max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
               enforce_eager=True, enable_prefix_caching=False,
-              compilation_config=CompilationConfig(
-                  mode=CompilationMode.NONE, custom_ops=["all", "-rotary_embedding"]))
+              compilation_config=CompilationConfig(mode=CompilationMode.NONE))
     requests = [TokensPrompt(prompt_token_ids=ids) for ids in batch]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate(requests[:2], params, use_tqdm=False)  # warm-up, not timed

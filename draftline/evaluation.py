@@ -598,11 +598,13 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
     also takes a last step that would run past the stored reply, which the walk cannot score)
     they give the same verdicts.  They agree when vLLM's tau and its acceptance at every
     position lie inside the offline CIs and the paired tau difference on the shared steps has
-    a CI containing 0.
+    a CI containing 0.  ``divergences`` lists, per reply, the first step where the verdicts
+    differ (a near-tie in the draft's numerics flips one; from there on the two walks visit
+    other positions, so later steps are not compared one to one).
     """
     if len(replies) != len(measured):
         raise ValueError(f"{len(measured)} vLLM decodes for {len(replies)} replies")
-    full, shared, offline, mismatches, other_verdicts = [], [], [], [], 0
+    full, shared, offline, mismatches, divergences = [], [], [], [], []
     for index, ((sample, a, b), decoded) in enumerate(zip(replies, measured, strict=True)):
         mask = torch.zeros_like(sample.loss_mask)
         mask[a:b] = True
@@ -610,7 +612,11 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
         walk_steps = sim.accepted[sim.steps]
         steps = torch.tensor(decoded["accepted"], dtype=torch.long)
         n = min(len(steps), len(walk_steps))
-        other_verdicts += int((steps[:n] != walk_steps[:n]).sum())
+        differ = (steps[:n] != walk_steps[:n]).nonzero().flatten()
+        if len(differ):  # after one other verdict the two visit other positions
+            j = int(differ[0])
+            divergences.append({"reply": index, "step": j, "of_steps": n,
+                                "vllm_accepted": int(steps[j]), "offline_accepted": int(walk_steps[j])})
         full.append(steps)
         shared.append(steps[:n])
         offline.append(walk_steps[:n])
@@ -628,7 +634,8 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
                           zip(vllm_result["acceptance"], off_result["acceptance_ci"], strict=True)]
     totals = vllm_counts.at_least.sum(0)
     return {"replies": len(full), "text_mismatches": len(mismatches), "mismatched": mismatches,
-            "steps_with_other_verdict": other_verdicts, "shared_steps": int(shared_counts.at_least[:, 0].sum()),
+            "diverging_replies": len(divergences), "divergences": divergences,
+            "shared_steps": int(shared_counts.at_least[:, 0].sum()),
             "vllm": vllm_result, "offline": off_result,
             # accepted at position j per verification step: vLLM's own per-position rate
             "vllm_unconditional": [float(totals[j]) / max(int(totals[0]), 1) for j in range(1, k + 1)],

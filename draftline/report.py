@@ -254,6 +254,8 @@ def agreement_rows(evaluation: dict) -> list[list[Any]]:
                  d["statistic"], d["difference"], ci(d["ci"]), "yes" if d["agrees"] else "no"])
     rows.append([f"replies vLLM decoded to other text (of {measured['replies']})", "count",
                  measured["text_mismatches"], "", "yes" if not measured["text_mismatches"] else "no"])
+    rows.append([f"replies where one verdict differed, a draft near-tie (of {measured['replies']})",
+                 "count", measured.get("diverging_replies", 0), "", "info"])
     return rows
 
 

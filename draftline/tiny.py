@@ -295,7 +295,6 @@ def build_tiny_deepseek_v3(
     vocab_size: int = 512,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
-    vllm_cpu_rope_workaround: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer.
@@ -308,16 +307,8 @@ def build_tiny_deepseek_v3(
     ``qk_nope_head_dim + qk_rope_head_dim`` (64 by default) and
     ``v_head_dim <= that``.  Interleaved rope as in DeepSeek-V3.
 
-    Rope: ``rope_scaling=None`` by default.  vLLM 0.16 on CPU then applies the
-    plain ``RotaryEmbedding`` through its C++ CPU kernel, which mis-indexes the
-    3-D ``[tokens, heads, rope_dim]`` query slice of DeepseekV2Attention (MLA
-    disabled), so vLLM drifts from HF (~1e-2 in logprobs) unless the engine
-    is built with ``compilation_config={"custom_ops": ["all",
-    "-rotary_embedding"]}`` (torch rope; matches HF to ~1e-6).
-    ``vllm_cpu_rope_workaround=True`` instead writes a numerically neutral YaRN
-    ``rope_scaling`` (factor 1.0, mscale 1.0: identical HF outputs), which
-    makes vLLM use ``DeepseekScalingRotaryEmbedding`` (plain torch on CPU) and
-    match HF with no engine option.  The weights do not depend on this flag.
+    Rope: plain (``rope_scaling=None``), the path vLLM 0.16's CPU rotary kernel
+    got wrong for DeepseekV2Attention's 3-D query; patches/vllm/0003 fixes it.
     Returns ``out_dir`` as an absolute Path.
     """
     import torch
@@ -325,17 +316,6 @@ def build_tiny_deepseek_v3(
 
     if v_head_dim > qk_nope_head_dim + qk_rope_head_dim:
         raise ValueError("vLLM pads v to the qk head dim, so v_head_dim must not exceed it")
-    rope_scaling = None
-    if vllm_cpu_rope_workaround:
-        rope_scaling = {
-            "rope_type": "yarn",
-            "factor": 1.0,
-            "original_max_position_embeddings": max_position_embeddings,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        }
     with atomic_dir(out_dir) as tmp:
         tok = _write_tokenizer(tmp, None, vocab_size)
         config = DeepseekV3Config(
@@ -364,7 +344,7 @@ def build_tiny_deepseek_v3(
             initializer_range=initializer_range,
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
-            rope_scaling=rope_scaling,
+            rope_scaling=None,
             rope_interleave=True,
             attention_bias=False,
             tie_word_embeddings=False,
@@ -493,8 +473,8 @@ def build_tiny_kimi_k25(
     ``config.json`` is vLLM 0.16's own ``KimiK25Config`` (model_type ``kimi_k25``; vLLM
     registers it, so no remote code): ``text_config`` is the ``DeepseekV3Config`` of a
     tiny DeepseekV3 built by :func:`build_tiny_deepseek_v3` (MoE, ``noaux_tc``; extra
-    keyword arguments such as ``hidden_size``, ``vocab_size``, the MoE sizes or
-    ``vllm_cpu_rope_workaround`` go to it unchanged), ``vision_config`` a tiny
+    keyword arguments such as ``hidden_size``, ``vocab_size`` or the MoE sizes go to it
+    unchanged), ``vision_config`` a tiny
     ``KimiK25VisionConfig`` (MoonViT, ``vision_num_heads`` heads of
     ``vision_hidden_size // vision_num_heads``).  Attention is Kimi-K2-shaped, scaled
     down: qk_nope : qk_rope : v = 2 : 1 : 2 (Kimi-K2 128 : 64 : 128), so with MLA disabled

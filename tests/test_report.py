@@ -72,7 +72,7 @@ def run_dir(tmp_path) -> Path:
                "offline": {"eagle3": _result(1.9), "most_frequent": _result(1.1), "bigram": _result(1.4)},
                "baselines_from": "training counts", "draft_vocab_coverage_of_greedy": 0.9,
                "in_vllm": {"vllm": _result(2.0), "offline": _result(2.0), "replies": 4, "shared_steps": 9,
-                           "text_mismatches": 0, "vllm_tau_inside_offline_ci": True,
+                           "text_mismatches": 0, "diverging_replies": 0, "vllm_tau_inside_offline_ci": True,
                            "vllm_acceptance_inside_offline_ci": [True, True],
                            "paired_difference": {"statistic": "tau", "difference": 0.0,
                                                  "ci": [0.0, 0.0], "agrees": True}},
