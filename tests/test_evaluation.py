@@ -162,33 +162,70 @@ def test_serving_rollout_matches_speculators_ttt_forward(pair):
 
 
 @torch.no_grad()
-def hf_sample(target, tokens: torch.Tensor, reply_from: int, aux_ids: list[int]) -> ev.Sample:
-    """What extraction stores for ``tokens``, from transformers in float32: HF hidden_states[i]
-    is the input of layer i; loss_mask marks the reply (positions >= reply_from)."""
+def hf_states(target, tokens: torch.Tensor) -> tuple:
+    """transformers' hidden_states for ``tokens`` (entry i = input of layer i, the last one
+    post-norm) and its greedy next tokens: what extraction stores, in float32."""
     out = target(input_ids=tokens[None], output_hidden_states=True)
-    mask = torch.zeros(len(tokens), dtype=torch.bool)
-    mask[reply_from:] = True
-    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], -1)
-    return ev.Sample(tokens, mask, aux, out.logits[0].argmax(-1))
+    return [h[0] for h in out.hidden_states], out.logits[0].argmax(-1)
+
+
+def overfit_draft(target_dir, target, sequences, aux_ids: list[int], out_dir: Path) -> Path:
+    """An EAGLE-3 draft trained on ``sequences`` (token tensors) until it predicts them: a
+    draft whose verdicts depend on its features, unlike a random one (which accepts nothing)."""
+    from speculators.train.data import create_collate_fn, shift_batch
+
+    from draftline import vocab
+    from draftline.train_model import build_draft
+    from draftline.training import make_session
+
+    rows = []
+    for tokens in sequences:
+        hidden, _ = hf_states(target, tokens)
+        rows.append(shift_batch({
+            "hidden_states": torch.cat([hidden[i] for i in aux_ids], -1),
+            "verifier_last_hidden_states": hidden[-1], "input_ids": tokens,
+            "loss_mask": torch.ones(len(tokens), dtype=torch.long),
+            "lengths": torch.tensor([len(tokens)]), "position_ids": torch.arange(len(tokens))}))
+    batch = create_collate_fn(sum(len(t) for t in sequences))(rows)
+    freq = torch.bincount(torch.cat(list(sequences)), minlength=512)
+    d2t, t2d = vocab.draft_vocab_mapping(freq, 128)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_draft(target_dir, aux_ids, d2t, t2d, num_speculative_tokens=3)
+        session = make_session(model, "cpu", lr=3e-3, warmup_steps=5, total_steps=150, ttt_steps=3,
+                               precision="fp32", compile=False)
+        for _ in range(150):
+            session.step(batch)
+    model.save_pretrained(str(out_dir))
+    return out_dir
 
 
 @pytest.fixture(scope="module")
-def decoded(pair):
-    """The target's own greedy replies to six prompts (vLLM without the draft), the samples
-    extraction would store for them (HF), and vLLM's speculative decoding of the prompts."""
+def decoded(pair, tmp_path_factory):
+    """The target's own greedy replies to six prompts (vLLM without a draft), the samples
+    extraction would store for them (transformers), a draft trained on them, and vLLM's
+    speculative decoding of the prompts with that draft."""
     from transformers import AutoModelForCausalLM
 
     from draftline import serving
 
-    target_dir, draft_dir = pair
+    target_dir, _ = pair
     options = serving.EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
     stops = regeneration.stop_token_ids(target_dir)
     prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
     replies = serving.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    samples = {ids: [hf_sample(target, torch.tensor(p + r), len(p), list(ids))
-                     for p, r in zip(prompts, replies, strict=True)]
-               for ids in ((1, 2, 3), (2, 3, 4))}
+    sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies, strict=True)]
+    draft_dir = overfit_draft(target_dir, target, sequences, [1, 2, 3],
+                              tmp_path_factory.mktemp("overfit") / "draft")
+    samples = {}
+    for ids in ((1, 2, 3), (2, 3, 4)):
+        samples[ids] = []
+        for prompt, tokens in zip(prompts, sequences, strict=True):
+            hidden, greedy = hf_states(target, tokens)
+            mask = torch.zeros(len(tokens), dtype=torch.bool)
+            mask[len(prompt):] = True
+            samples[ids].append(ev.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), greedy))
     measured = serving.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
     return samples, measured, ev.DraftRunner(ev.load_draft(draft_dir, target_dir))
 
@@ -205,6 +242,7 @@ def test_vllm_speculative_decoding_is_lossless_and_takes_the_simulated_steps(dec
     print({key: result[key] for key in ("text_mismatches", "diverging_replies", "shared_steps")},
           "vllm", round(result["vllm"]["tau"], 3), "offline", round(result["offline"]["tau"], 3))
     assert result["replies"] == 6 and result["text_mismatches"] == 0
+    assert result["vllm"]["tau"] > 1.5, "the overfit draft must get tokens accepted"
     assert result["shared_steps"] > 20 and result["diverging_replies"] == 0
     assert result["paired_difference"]["difference"] == 0 and result["agrees"]
     # vLLM's own counters add up to the per-step record.
