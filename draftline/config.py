@@ -85,7 +85,7 @@ def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float 
     limits = model.get("limit_mm_per_prompt")
     return EngineOptions(
         target=str(model.path), dtype=str(model.dtype),
-        max_model_len=int(section.max_model_len),
+        max_model_len=None if section.max_model_len is None else int(section.max_model_len),
         tensor_parallel_size=int(model.tensor_parallel_size),
         gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.85)),
         max_num_seqs=int(section.get("max_num_seqs", 16)),

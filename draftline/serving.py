@@ -38,7 +38,7 @@ class EngineOptions:
 
     target: str                      # HF-layout model directory
     dtype: str = "auto"              # torch dtype vLLM runs the target in
-    max_model_len: int = 2048        # tokens per sequence
+    max_model_len: int | None = 2048  # tokens per sequence; None = the model config's
     tensor_parallel_size: int = 1    # GPUs (or CPU ranks)
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 16           # sequences per batch
@@ -67,8 +67,7 @@ def llm_kwargs(options: EngineOptions, draft: str | Path | None, k: int | None) 
     import torch
 
     kwargs = dict(
-        model=options.target, dtype=options.dtype, max_model_len=options.max_model_len,
-        tensor_parallel_size=options.tensor_parallel_size,
+        model=options.target, dtype=options.dtype, tensor_parallel_size=options.tensor_parallel_size,
         gpu_memory_utilization=options.gpu_memory_utilization, max_num_seqs=options.max_num_seqs,
         trust_remote_code=options.trust_remote_code, seed=options.seed,
         # Every token of a prompt is computed, as in the offline estimate; and one step's stats
@@ -78,6 +77,8 @@ def llm_kwargs(options: EngineOptions, draft: str | Path | None, k: int | None) 
         # Without CUDA: eager (inductor needs a C++ compiler the cpu image lacks).
         enforce_eager=not torch.cuda.is_available(),
     )
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
     if options.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = dict(options.limit_mm_per_prompt)
     if draft is not None:
@@ -90,11 +91,12 @@ def serve_command(options: EngineOptions, draft: str | Path, k: int, *, host: st
     """`vllm serve` of the target with its draft: the command `make serve` runs."""
     kwargs = llm_kwargs(options, draft, k)
     command = ["vllm", "serve", options.target, "--host", host, "--port", str(port),
-               "--dtype", options.dtype, "--max-model-len", str(options.max_model_len),
-               "--tensor-parallel-size", str(options.tensor_parallel_size),
+               "--dtype", options.dtype, "--tensor-parallel-size", str(options.tensor_parallel_size),
                "--gpu-memory-utilization", str(options.gpu_memory_utilization),
                "--max-num-seqs", str(options.max_num_seqs), "--seed", str(options.seed),
                "--speculative-config", json.dumps(kwargs["speculative_config"])]
+    if options.max_model_len is not None:
+        command += ["--max-model-len", str(options.max_model_len)]
     if options.trust_remote_code:
         command.append("--trust-remote-code")
     if options.limit_mm_per_prompt is not None:
