@@ -74,6 +74,12 @@ def stage_dir(cfg: DictConfig, stage: str) -> Path:
     return Path(cfg.run_dir) / stage
 
 
+def mm_limits(cfg: DictConfig) -> dict[str, int] | None:
+    """``model.limit_mm_per_prompt``: a multimodal target (Kimi-K2.5) run text-only."""
+    limits = cfg.model.get("limit_mm_per_prompt")
+    return None if limits is None else {str(k): int(v) for k, v in limits.items()}
+
+
 def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float = 1.0):
     """How to start vLLM on the run's target: the model config plus one stage's engine
     settings (``section`` holds max_model_len, and optionally max_num_seqs,
@@ -82,7 +88,6 @@ def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float 
     from draftline.serving import EngineOptions
 
     model = cfg.model
-    limits = model.get("limit_mm_per_prompt")
     return EngineOptions(
         target=str(model.path), dtype=str(model.dtype),
         max_model_len=None if section.max_model_len is None else int(section.max_model_len),
@@ -90,7 +95,7 @@ def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float 
         gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.85)),
         max_num_seqs=int(section.get("max_num_seqs", 16)),
         trust_remote_code=remote_code.check(model.path, bool(model.trust_remote_code)),
-        limit_mm_per_prompt=None if limits is None else {str(k): int(v) for k, v in limits.items()},
+        limit_mm_per_prompt=mm_limits(cfg),
         mla_disable=bool(model.mla_disable),
         cpu_kvcache_gib=float(section.get("cpu_kvcache_gib", cpu_kvcache_gib)),
         seed=int(cfg.seed))

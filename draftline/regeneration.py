@@ -125,6 +125,7 @@ class VllmReplies:
     def __init__(self, model_dir: str, *, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
                  stop_ids: Sequence[int], seed: int, trust_remote_code: bool = False,
+                 limit_mm_per_prompt: dict[str, int] | None = None,
                  enforce_eager: bool | None = None):
         import torch
         from vllm import LLM
@@ -139,7 +140,10 @@ class VllmReplies:
                        max_num_batched_tokens=max_num_batched_tokens,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enable_prefix_caching=False, trust_remote_code=trust_remote_code,
-                       enforce_eager=enforce_eager)
+                       enforce_eager=enforce_eager,
+                       # a multimodal target (Kimi-K2.5) runs text-only: {"vision_chunk": 0}
+                       **({} if limit_mm_per_prompt is None
+                          else {"limit_mm_per_prompt": dict(limit_mm_per_prompt)}))
 
     def __call__(self, prompts: list[list[int]], caps: list[int]) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams

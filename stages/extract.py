@@ -67,14 +67,8 @@ def make_generator(cfg: DictConfig):
         max_num_seqs=int(cfg.extract.max_num_seqs),
         max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens),
         trust_remote_code=bool(cfg.model.trust_remote_code),
-        limit_mm_per_prompt=limit_mm_per_prompt(cfg),
+        limit_mm_per_prompt=config.mm_limits(cfg),
     )
-
-
-def limit_mm_per_prompt(cfg: DictConfig) -> dict | None:
-    """Multimodal targets (Kimi-K2.5) run text-only: no budget for any modality."""
-    limits = cfg.model.get("limit_mm_per_prompt")
-    return None if limits is None else {str(k): int(v) for k, v in limits.items()}
 
 
 def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:

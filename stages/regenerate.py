@@ -50,7 +50,8 @@ def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regeneration.VllmReplie
         max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens),
         gpu_memory_utilization=float(cfg.regenerate.gpu_memory_utilization),
         stop_ids=stop_ids, seed=int(cfg.seed),
-        trust_remote_code=remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code)))
+        trust_remote_code=remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code)),
+        limit_mm_per_prompt=config.mm_limits(cfg))
 
 
 def run(cfg: DictConfig) -> dict:
