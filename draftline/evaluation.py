@@ -108,8 +108,8 @@ def load_heldout(shards: Sequence[str | Path], rows: torch.Tensor, head: torch.T
                 Path(shards[shard_index]), mine[:, 1].tolist(),
                 ("hidden_states", "input_ids", "loss_mask")), strict=True):
             hidden = data["hidden_states"]  # [T, num_aux + 1, H]
-            assert hidden.shape[0] == row[2], (
-                f"shard {shard_index} row {row[1]}: length {hidden.shape[0]} != index {row[2]}")
+            if hidden.shape[0] != row[2]:
+                raise ValueError(f"shard {shard_index} row {row[1]}: length {hidden.shape[0]} != index {row[2]}")
             samples.append(Sample(
                 input_ids=data["input_ids"].long(), loss_mask=data["loss_mask"].bool(),
                 aux=hidden[:, :-1].float().flatten(1),
@@ -226,9 +226,10 @@ def load_draft(draft_dir: str | Path, target_dir: str | Path):
     model = Eagle3DraftModel(config, t2d=tensors["t2d"].bool(), d2t=tensors["d2t"].long())
     state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, f"{draft_dir}: tensors the draft has no place for: {unexpected}"
-    assert set(missing) <= {"verifier_lm_head.weight", "embed_tokens.weight"}, (
-        f"{draft_dir}: missing draft tensors {missing}")
+    if not (not unexpected):
+        raise ValueError(f"{draft_dir}: tensors the draft has no place for: {unexpected}")
+    if set(missing) > {"verifier_lm_head.weight", "embed_tokens.weight"}:
+        raise ValueError(f"{draft_dir}: missing draft tensors {missing}")
     return model.float().eval()
 
 
@@ -557,7 +558,8 @@ def paired_difference(a: Counts, b: Counts, which: str, resamples: int, level: f
 
     They agree when the CI contains 0.
     """
-    assert a.at_least.shape == b.at_least.shape, "paired counts need the same units"
+    if a.at_least.shape != b.at_least.shape:
+        raise ValueError("paired counts need the same units")
     n = a.at_least.shape[0]
     picks = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))
     diffs = (_statistic(a.at_least[picks].sum(1).double(), which)
@@ -684,7 +686,8 @@ def compare_loaded(params: dict[str, torch.Tensor], saved: dict[str, torch.Tenso
         if kind == "direct":
             # Vocab-parallel layers may pad rows to a multiple of 64: compare the saved rows.
             held = params[target][: tensor.shape[0]] if tensor.dim() else params[target]
-            assert torch.equal(held.to(tensor.dtype), tensor), f"{name}: vLLM holds other values"
+            if not torch.equal(held.to(tensor.dtype), tensor):
+                raise ValueError(f"{name}: vLLM holds other values")
             filled[target] = params[target].numel()
         else:
             stacks.setdefault(target, []).append((kind, tensor))
@@ -692,7 +695,8 @@ def compare_loaded(params: dict[str, torch.Tensor], saved: dict[str, torch.Tenso
     order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
     for target, parts in stacks.items():
         stacked = torch.cat([t for _, t in sorted(parts, key=lambda p: order[p[0]])])
-        assert torch.equal(params[target].to(stacked.dtype), stacked), f"{target}: vLLM holds other values"
+        if not torch.equal(params[target].to(stacked.dtype), stacked):
+            raise ValueError(f"{target}: vLLM holds other values")
         filled[target] = params[target].numel()
     unfilled = sorted(set(params) - set(filled))
     if unfilled:

@@ -25,11 +25,15 @@ def validate_shard(path: Path, num_slots: int, hidden_size: int) -> list[tuple[i
         offsets = handle.get_tensor("sample_offsets")  # [samples + 1]
         sample_ids = handle.get_tensor("sample_ids")  # [samples]
     tokens = ids.shape[0]
-    assert hidden.shape == (tokens, num_slots, hidden_size), f"{path}: hidden_states {tuple(hidden.shape)}"
-    assert mask.shape[0] == tokens and int(offsets[-1]) == tokens, f"{path}: offsets/mask do not cover {tokens} tokens"
-    assert bool(torch.isfinite(hidden).all()), f"{path}: non-finite hidden states"
+    if hidden.shape != (tokens, num_slots, hidden_size):
+        raise ValueError(f"{path}: hidden_states {tuple(hidden.shape)}")
+    if not (mask.shape[0] == tokens and int(offsets[-1]) == tokens):
+        raise ValueError(f"{path}: offsets/mask do not cover {tokens} tokens")
+    if not bool(torch.isfinite(hidden).all()):
+        raise ValueError(f"{path}: non-finite hidden states")
     lengths = (offsets[1:] - offsets[:-1]).tolist()
-    assert min(lengths) > 0, f"{path}: empty sample"
+    if min(lengths) <= 0:
+        raise ValueError(f"{path}: empty sample")
     masked = [int(mask[a:b].sum()) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
     return [(int(s), row, n, m) for row, (s, n, m) in enumerate(zip(sample_ids.tolist(), lengths, masked))]
 
@@ -50,7 +54,8 @@ def split_rows(rows: list[tuple[int, int, int, int, int]], fraction: float, seed
         validation = ranked[:min_validation]
     chosen = {r[1] for r in validation}
     train = [r for r in usable if r[1] not in chosen]
-    assert train, "no training samples left after the validation split"
+    if not train:
+        raise ValueError("no training samples left after the validation split")
     return train, validation
 
 

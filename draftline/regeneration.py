@@ -156,7 +156,8 @@ class VllmReplies:
                                     use_tqdm=False)
         replies = []
         for prompt, output in zip(prompts, outputs, strict=True):
-            assert list(output.prompt_token_ids) == prompt, "vLLM returned outputs out of order"
+            if list(output.prompt_token_ids) != prompt:
+                raise RuntimeError("vLLM returned outputs out of order")
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             stopped = completion.finish_reason == "stop"

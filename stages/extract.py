@@ -27,12 +27,12 @@ def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
     remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code))
     shape = extraction.read_target_shape(cfg.model.path)
     extraction.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
-    assert (shape.num_layers, shape.hidden_size) == (cfg.model.num_layers, cfg.model.hidden_size), (
-        f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
-        f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
-    assert max(lengths) < cfg.extract.max_model_len, (
-        f"longest sample has {max(lengths)} tokens; extract.max_model_len="
-        f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")
+    if (shape.num_layers, shape.hidden_size) != (cfg.model.num_layers, cfg.model.hidden_size):
+        raise ValueError(f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
+            f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
+    if max(lengths) >= cfg.extract.max_model_len:
+        raise ValueError(f"longest sample has {max(lengths)} tokens; extract.max_model_len="
+            f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")
     check_devices(int(cfg.model.tensor_parallel_size))
     return shape
 
@@ -42,9 +42,11 @@ def check_devices(tensor_parallel_size: int) -> None:
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        assert tensor_parallel_size <= count, f"tensor_parallel_size={tensor_parallel_size} > {count} GPUs"
+        if tensor_parallel_size > count:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} > {count} GPUs")
     else:
-        assert tensor_parallel_size <= os.cpu_count(), f"TP {tensor_parallel_size} > CPU cores"
+        if tensor_parallel_size > os.cpu_count():
+            raise ValueError(f"TP {tensor_parallel_size} > CPU cores")
 
 
 def platform_environment(cfg: DictConfig) -> None:

@@ -68,9 +68,9 @@ def run(cfg: DictConfig) -> dict:
 
     samples, masks = read_samples(tokenize_dir / tokenize["samples"])
     seq_length = int(cfg.regenerate.seq_length)
-    assert seq_length < int(cfg.regenerate.max_model_len), (
-        f"regenerate.seq_length={seq_length} must stay below regenerate.max_model_len="
-        f"{cfg.regenerate.max_model_len}")
+    if seq_length >= int(cfg.regenerate.max_model_len):
+        raise ValueError(f"regenerate.seq_length={seq_length} must stay below regenerate.max_model_len="
+            f"{cfg.regenerate.max_model_len}")
     stop_ids = regeneration.stop_token_ids(cfg.model.path)
     fingerprint = artifacts.config_hash({
         "tokenize": inputs, "regenerate": config.stage_config(cfg, "regenerate"), "stop_ids": stop_ids})

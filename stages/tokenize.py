@@ -29,7 +29,8 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 
     trust = remote_code.check(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
-    assert tokenizer.chat_template, f"{model_dir}: tokenizer has no chat_template"
+    if not tokenizer.chat_template:
+        raise ValueError(f"{model_dir}: tokenizer has no chat_template")
     return tokenizer
 
 
@@ -72,9 +73,11 @@ def run(cfg: DictConfig) -> dict:
     # t2d must match the target's embedding rows (config vocab_size), which can exceed
     # len(tokenizer) when the embedding is padded.
     target_vocab = target_vocab_size(str(cfg.model.path))
-    assert len(tokenizer) <= target_vocab, f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}"
+    if len(tokenizer) > target_vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}")
     draft_vocab = int(cfg.tokenize.draft_vocab_size)
-    assert draft_vocab <= target_vocab, f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}"
+    if draft_vocab > target_vocab:
+        raise ValueError(f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}")
     write_samples(out_dir / "samples.safetensors", ids, masks)
     freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", ids, masks, target_vocab, draft_vocab)
     num_tokens = sum(len(x) for x in ids)

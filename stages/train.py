@@ -24,7 +24,8 @@ def pick_device(requested: str) -> str:
 
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    assert requested == "cpu" or torch.cuda.is_available(), f"train.device={requested} but no CUDA GPU"
+    if not (requested == "cpu" or torch.cuda.is_available()):
+        raise ValueError(f"train.device={requested} but no CUDA GPU")
     return requested
 
 
@@ -65,7 +66,8 @@ def run(cfg: DictConfig) -> dict:
         loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
         prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
     )
-    assert result["completed"], f"training stopped at step {result['steps']} of {result['total_steps']}"
+    if not result["completed"]:
+        raise RuntimeError(f"training stopped at step {result['steps']} of {result['total_steps']}")
     return {
         "draft": str(result["draft_dir"]),
         "aux_layer_ids": list(extract["aux_layer_ids"]),
