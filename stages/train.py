@@ -73,7 +73,10 @@ def run(cfg: DictConfig) -> dict:
         "aux_layer_ids": list(extract["aux_layer_ids"]),
         "metrics": {k: v for k, v in result.items() if k not in ("draft_dir",)},
         "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST)},
-        "skipped": [],
+        # The draft's vLLM parse is skipped where vLLM is not installed (training hosts need
+        # not have it): say so where a reader of the manifest looks.
+        "skipped": [] if result.get("vllm") is not None else [
+            {"what": "vLLM parse of the saved draft", "reason": "vLLM is not installed here"}],
     }
 
 
