@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from conftest import environment
 from draftline import tiny
 
 pytestmark = pytest.mark.vllm
@@ -32,16 +33,9 @@ TOKEN_BUDGET = 64
 
 @pytest.fixture(scope="module")
 def cpu_engine_env():
-    """Small KV cache for the CPU engine; DeepseekV3 needs MLA off on CPU."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_MLA_DISABLE")}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
-    os.environ["VLLM_MLA_DISABLE"] = "1"
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """Small KV cache for the CPU engine (GiB); DeepseekV3 needs MLA off on CPU."""
+    with environment({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_MLA_DISABLE": "1"}):
+        yield
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:

@@ -13,12 +13,12 @@ speculative decoding must still reproduce the non-speculative tokens exactly.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import environment
 from draftline import tiny
 
 pytestmark = pytest.mark.vllm
@@ -228,14 +228,8 @@ def test_pristine_vllm_refuses_eagle3_for_deepseek_and_the_patch_accepts_it():
 
 @pytest.fixture(scope="module")
 def engine_env():
-    saved = {k: os.environ.get(k) for k in ENGINE_ENV}
-    os.environ.update(ENGINE_ENV)
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with environment(ENGINE_ENV):
+        yield
 
 
 def _prompts(vocab_size: int = 512) -> list[list[int]]:
