@@ -434,6 +434,27 @@ def test_served_aux_hidden_states_equal_hf_training_features(served):
         assert err <= 1e-5, f"slot {slot} (layer {layer}): max |aux - HF| = {err}"
 
 
+def test_served_aux_hidden_states_equal_the_extracted_rows(served, request):
+    """Serving features = training features: what the patched target hands the draft equals
+    what extraction (the patched speculators generator) stores for the same tokens."""
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    prompt = _capture_prompt()
+    kwargs = {"limit_mm_per_prompt": KIMI_TEXT_ONLY} if "hf" in served else {}
+    generator = VllmHiddenStatesGenerator(str(served["target"]), layer_ids=served["aux_ids"],
+                                          max_model_len=512, dtype="float32", max_num_seqs=2,
+                                          max_num_batched_tokens=64, **kwargs)
+    try:
+        stored = generator.generate([prompt])[0]["hidden_states"]  # aux slots..., final
+    finally:
+        generator.shutdown()
+    aux = served["spec"]["aux"][0]
+    worst = [(aux[slot][: len(prompt)] - stored[slot].float()).abs().max().item()
+             for slot in range(len(served["aux_ids"]))]
+    print(f"\n{request.node.callspec.id}: max |served aux - stored row| per slot {worst}")
+    assert max(worst) <= 1e-5, worst
+
+
 def test_deepseek_v3_greedy_replies_match_hf_generate(deepseek):
     """rope_scaling=None DeepseekV3 through LLM (CPU rotary kernel) equals HF's greedy."""
     model = tiny.load_hf_model(deepseek["target"])
