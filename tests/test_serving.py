@@ -321,13 +321,19 @@ def _capture_prompt() -> list[int]:
     return torch.randint(7, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
+def _family(target: Path, aux_ids: list[int], **engine_kwargs) -> dict:
+    """One target family: a random draft, a speculative engine (with the aux capture) and a
+    plain engine, each answering the same prompts."""
+    draft = _save_draft(target, aux_ids, target.parent / "draft")
+    return {"target": target, "aux_ids": aux_ids,
+            "spec": _run(target, draft, _capture_prompt(), **engine_kwargs),
+            "plain": _run(target, None, **engine_kwargs)}
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, engine_env):
     root = tmp_path_factory.mktemp("llama")
-    target = tiny.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS)
-    draft = _save_draft(target, LLAMA_AUX_IDS, root / "draft")
-    return {"target": target, "aux_ids": LLAMA_AUX_IDS,
-            "spec": _run(target, draft, _capture_prompt()), "plain": _run(target, None)}
+    return _family(tiny.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS), LLAMA_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
@@ -336,9 +342,7 @@ def deepseek(tmp_path_factory, engine_env):
     # rope_scaling=None: plain RotaryEmbedding through vLLM's CPU kernel (patch 0003).
     target = tiny.build_tiny_deepseek_v3(root / "target", num_layers=DSV3_LAYERS)
     assert tiny.load_hf_model(target).config.rope_scaling is None
-    draft = _save_draft(target, DSV3_AUX_IDS, root / "draft")
-    return {"target": target, "aux_ids": DSV3_AUX_IDS,
-            "spec": _run(target, draft, _capture_prompt()), "plain": _run(target, None)}
+    return _family(target, DSV3_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
@@ -375,11 +379,8 @@ def kimi(tmp_path_factory, engine_env):
     """Kimi-K2.5 (KimiK25ForConditionalGeneration around a tiny DeepseekV3), text-only."""
     root = tmp_path_factory.mktemp("kimi")
     target = tiny.build_tiny_kimi_k25(root / "target", num_layers=DSV3_LAYERS)
-    draft = _save_draft(target, DSV3_AUX_IDS, root / "draft")
-    return {"target": target, "aux_ids": DSV3_AUX_IDS,
-            "hf": tiny.load_hf_kimi_k25_language_model(target),
-            "spec": _run(target, draft, _capture_prompt(), limit_mm_per_prompt=KIMI_TEXT_ONLY),
-            "plain": _run(target, None, limit_mm_per_prompt=KIMI_TEXT_ONLY)}
+    return {**_family(target, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY),
+            "hf": tiny.load_hf_kimi_k25_language_model(target)}
 
 
 @pytest.fixture(params=["llama", "deepseek", "kimi"])
