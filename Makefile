@@ -201,7 +201,11 @@ lint-docker: $(VENV)/bin/hadolint ## Lint the Dockerfile with hadolint
 test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+.PHONY: mutation
+mutation: setup ## Mutation score per claim-carrying module (mutmut); table in runs/_mutation/
+	$(PY) -m benchmarks.mutation run
+
 # ---- housekeeping -----------------------------------------------------------------------
 .PHONY: clean
 clean: ## Remove .venv and tool caches (runs/ is kept)
-	rm -rf $(VENV) $(TOOLS) .pytest_cache
+	rm -rf $(VENV) $(TOOLS) .pytest_cache mutants

@@ -18,11 +18,13 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -
     """Run ``work``; on any exception log the full traceback and exit non-zero.
 
     The stage writes its own config stamp too, so a stage run by hand (without Make) still
-    leaves the record Make compares against.
+    leaves the record Make compares against. A manifest of an earlier run goes first: a run
+    that fails must not leave one behind that reads as its success.
     """
     stage_dir = config.stage_dir(cfg, stage)
     resolved = config.stage_config(cfg, stage)
     artifacts.write_stamp(stage_dir / artifacts.STAMP, resolved)
+    (stage_dir / artifacts.MANIFEST).unlink(missing_ok=True)
     start = time.monotonic()
     try:
         fields = work(cfg)

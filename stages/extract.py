@@ -73,6 +73,16 @@ def make_generator(cfg: DictConfig):
     )
 
 
+def shard_fingerprint(cfg: DictConfig, regenerate_manifest: dict, samples_path: Path) -> str:
+    """What a shard on disk must have been made from to be reused: the samples (their bytes and
+    the config that made them) and the whole resolved extract config."""
+    return artifacts.config_hash({
+        "regenerate": regenerate_manifest["provenance"]["config_sha256"],
+        "samples": artifacts.sha256_file(samples_path),
+        "extract": config.stage_config(cfg, "extract"),
+    })
+
+
 def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
     """Shards beyond the current plan (left by a run with other data) must not linger."""
     planned = {plan.name for plan in plans}
@@ -93,11 +103,7 @@ def run(cfg: DictConfig) -> dict:
 
     plans = extraction.plan_shards(lengths, int(cfg.extract.shard_tokens))
     remove_unplanned(out_dir, plans)
-    fingerprint = artifacts.config_hash({
-        "regenerate": regenerate_manifest["provenance"]["config_sha256"],
-        "samples": artifacts.sha256_file(samples_path),
-        "extract": config.stage_config(cfg, "extract"),
-    })
+    fingerprint = shard_fingerprint(cfg, regenerate_manifest, samples_path)
     pending = [p for p in plans if not extraction.shard_is_complete(out_dir / p.name, p, fingerprint)]
     num_slots = len(cfg.model.aux_layer_ids) + 1
     per_token = extraction.bytes_per_token(num_slots, shape.hidden_size, cfg.extract.save_dtype)

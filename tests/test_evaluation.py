@@ -104,6 +104,94 @@ def test_summary_and_bootstrap():
     assert same["agrees"] and same["difference"] == 0
 
 
+def reference_bootstrap(rows: list[list[int]], resamples: int, level: float, seed: int):
+    """The percentile bootstrap written out in plain Python over the same resample draws
+    (torch's generator picks the rows; everything after is independent of evaluation.py)."""
+    n = len(rows)
+    picks = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed)).tolist()
+    taus, conditional = [], []
+    for pick in picks:
+        totals = [sum(rows[i][j] for i in pick) for j in range(len(rows[0]))]
+        taus.append(1 + sum(totals[1:]) / max(totals[0], 1))
+        conditional.append([totals[j] / max(totals[j - 1], 1) for j in range(1, len(totals))])
+
+    def quantile(values: list[float], q: float) -> float:  # linear interpolation, as numpy's default
+        ordered = sorted(values)
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    return ([quantile(taus, lo), quantile(taus, hi)],
+            [[quantile([c[j] for c in conditional], lo), quantile([c[j] for c in conditional], hi)]
+             for j in range(len(rows[0]) - 1)])
+
+
+def random_lengths(samples: int, k: int, seed: int, skill: float) -> list[torch.Tensor]:
+    """Accepted lengths per step: geometric-ish, higher ``skill`` accepts more."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(samples):
+        steps = int(torch.randint(3, 12, (1,), generator=g))
+        accepted = (torch.rand(steps, k, generator=g) < skill).long().cumprod(1).sum(1)
+        out.append(accepted)
+    return out
+
+
+def test_bootstrap_cis_equal_a_plain_python_reference():
+    counts = ev.Counts.from_lengths(random_lengths(40, 3, seed=1, skill=0.6), 3)
+    boot = ev.bootstrap(counts, 300, 0.9, seed=5)
+    tau_ci, acceptance_ci = reference_bootstrap(counts.at_least.tolist(), 300, 0.9, 5)
+    assert boot["tau_ci"] == pytest.approx(tau_ci, abs=1e-12)
+    assert torch.tensor(boot["acceptance_ci"]).sub(torch.tensor(acceptance_ci)).abs().max() < 1e-12
+    assert boot["samples"] == 40 and boot["tau"] == ev.summarize(counts.at_least.sum(0))["tau"]
+    # A narrower level gives a narrower interval around the point estimate.
+    narrow = ev.bootstrap(counts, 300, 0.5, seed=5)
+    assert boot["tau_ci"][0] < narrow["tau_ci"][0] < narrow["tau"] < narrow["tau_ci"][1] < boot["tau_ci"][1]
+
+
+def test_identical_samples_give_a_ci_of_width_zero():
+    counts = ev.Counts.from_lengths([torch.tensor([1, 2, 0])] * 10, 3)
+    boot = ev.bootstrap(counts, 100, 0.95, seed=0)
+    assert boot["tau_ci"] == pytest.approx([2.0, 2.0]) and boot["tau"] == pytest.approx(2.0)
+    assert torch.allclose(torch.tensor(boot["acceptance_ci"], dtype=torch.double),
+                          torch.tensor([[2 / 3, 2 / 3], [0.5, 0.5], [0.0, 0.0]], dtype=torch.double))
+
+
+def test_a_paired_difference_with_a_known_gap_excludes_zero():
+    """b is a with one accepted token fewer at every step that accepted any: tau(a) - tau(b) is
+    the share of such steps, and the paired CI lies strictly above 0."""
+    good = random_lengths(30, 3, seed=2, skill=0.7)
+    worse = [(a - 1).clamp(min=0) for a in good]
+    a, b = ev.Counts.from_lengths(good, 3), ev.Counts.from_lengths(worse, 3)
+    steps = sum(len(x) for x in good)
+    share = sum(int((x > 0).sum()) for x in good) / steps
+    result = ev.paired_difference(a, b, "tau", 300, 0.95, seed=0)
+    assert result["difference"] == pytest.approx(share)
+    assert 0 < result["ci"][0] <= share <= result["ci"][1] and not result["agrees"]
+    reverse = ev.paired_difference(b, a, "tau", 300, 0.95, seed=0)
+    assert reverse["difference"] == pytest.approx(-share) and reverse["ci"][1] < 0 and not reverse["agrees"]
+    first = ev.paired_difference(a, b, "p1", 300, 0.95, seed=0)
+    assert first["statistic"] == "p1" and first["difference"] == pytest.approx(
+        ev.summarize(a.at_least.sum(0))["acceptance"][0] - ev.summarize(b.at_least.sum(0))["acceptance"][0])
+    assert not first["agrees"]
+    same = ev.paired_difference(a, a, "tau", 300, 0.95, seed=0)
+    assert same["difference"] == 0 and same["ci"] == [0, 0] and same["agrees"]
+    with pytest.raises(ValueError, match="same units"):
+        ev.paired_difference(a, ev.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
+
+
+def test_counts_and_summary_of_known_lengths():
+    counts = ev.Counts.from_lengths([torch.tensor([3, 3]), torch.tensor([0])], 3)
+    assert counts.at_least.tolist() == [[2, 2, 2, 2], [1, 0, 0, 0]]
+    summary = ev.summarize(counts.at_least.sum(0))
+    assert summary["tau"] == pytest.approx(1 + 6 / 3) and summary["steps"] == 3
+    assert summary["acceptance"] == pytest.approx([2 / 3, 1.0, 1.0])
+    assert summary["accepted_histogram"] == [1, 0, 0, 2]
+    assert ev.Counts.from_lengths([], 2).at_least.shape == (0, 3)
+
+
 def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
@@ -262,6 +350,18 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
                                 ev.Eagle3Draft(runner), 3, STATS)
     print(result["divergences"], result["paired_difference"])
     assert result["diverging_replies"] > 0 and not result["agrees"]
+    # The stage turns that verdict into its failure (on the target's own replies, as here).
+    from draftline import config
+    from stages.evaluate import vllm_failures
+
+    cfg = config.compose(["experiment=tiny"])
+    failures = vllm_failures(cfg, {**result, "on_target_text": True})
+    assert len(failures) == 1 and "disagrees with the offline estimate" in failures[0]
+    assert vllm_failures(cfg, {**result, "on_target_text": False}) == []
+    good = ev.vllm_vs_offline(ev.held_out_replies(good), measured["replies"], ev.Eagle3Draft(runner), 3, STATS)
+    assert vllm_failures(cfg, {**good, "on_target_text": True}) == []
+    mismatched = {**good, "on_target_text": True, "text_mismatches": 1, "mismatched": [{"reply": 0}]}
+    assert "decoded 1 of 6 stored replies to other text" in vllm_failures(cfg, mismatched)[0]
 
 
 def test_offline_evaluation_refuses_features_the_draft_does_not_expect(pair):
@@ -292,6 +392,47 @@ def test_the_name_mapping_rejects_unknown_and_missing_tensors():
         ev.compare_loaded(params, {"fc_typo.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2)})
     with pytest.raises(ValueError, match="no saved tensor filled"):
         ev.compare_loaded(params, {"lm_head.weight": torch.ones(2, 2)})
+
+
+def loaded_pair() -> tuple[dict, dict]:
+    """Saved draft tensors and the parameters vLLM would hold after loading them."""
+    g = torch.Generator().manual_seed(0)
+    saved = {name: torch.randn(shape, generator=g) for name, shape in (
+        ("fc.weight", (4, 12)), ("lm_head.weight", (6, 4)), ("layers.0.self_attn.q_proj.weight", (4, 4)),
+        ("layers.0.self_attn.k_proj.weight", (2, 4)), ("layers.0.self_attn.v_proj.weight", (2, 4)))}
+    saved["d2t"] = torch.tensor([0, 3, 3])
+    saved["t2d"] = torch.tensor([True, False, True])
+    params = {"model.fc.weight": saved["fc.weight"].clone(),
+              "lm_head.weight": torch.cat([saved["lm_head.weight"], torch.zeros(58, 4)]),  # padded rows
+              "draft_id_to_target_id": saved["d2t"].clone(),
+              "model.layers.0.self_attn.qkv_proj.weight": torch.cat(
+                  [saved[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])}
+    return params, saved
+
+
+def test_the_load_check_accepts_what_vllm_would_hold():
+    params, saved = loaded_pair()
+    report = ev.compare_loaded(params, saved)
+    assert report["ignored_by_vllm"] == ["t2d"] and len(report["placed"]) == 6
+    assert report["parameters"] == sorted(params)
+
+
+@pytest.mark.parametrize("tamper", ["direct", "padded", "stacked", "order", "d2t"])
+def test_the_load_check_rejects_a_tampered_tensor(tamper):
+    params, saved = loaded_pair()
+    if tamper == "direct":
+        params["model.fc.weight"][1, 2] += 1e-3
+    elif tamper == "padded":
+        params["lm_head.weight"][5, 0] = 0.0
+    elif tamper == "stacked":
+        params["model.layers.0.self_attn.qkv_proj.weight"][5, 3] *= -1
+    elif tamper == "order":  # k and v stacked in the wrong order
+        q, k, v = (saved[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+        params["model.layers.0.self_attn.qkv_proj.weight"] = torch.cat([q, v, k])
+    else:
+        params["draft_id_to_target_id"][2] = 2
+    with pytest.raises(ValueError, match="vLLM holds other values"):
+        ev.compare_loaded(params, saved)
 
 
 # --------------------------------------------------------------------------- the gate

@@ -130,3 +130,46 @@ def test_killed_extract_resumes_to_identical_shards(repo):
     print(f"\nkilled with {survivors} shards on disk; resumed {resumed}")
     assert resumed >= 2
     assert shard_hashes(repo) == reference
+
+
+# evaluate on the tiny run: the vLLM load check has its own test (test_evaluation), so it is off
+# here; vLLM decodes two held-out replies.
+EVALUATE = "evaluate.vllm.max_replies=2 evaluate.vllm_check=false evaluate.bootstrap=200"
+
+
+def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
+    _, output = make(repo, "evaluate", extra=EVALUATE)
+    assert "-m stages.evaluate " in output
+    manifest = json.loads((repo / "runs/tiny/evaluate/manifest.json").read_text())
+    results = json.loads((repo / "runs/tiny/evaluate/results.json").read_text())
+    prepared = json.loads((repo / "runs/tiny/prepare/manifest.json").read_text())
+    k = manifest["k"]
+    assert k == 3 and manifest["aux_layer_ids"] == [2, 3, 4]
+    assert results["held_out_samples"] == prepared["num_validation"] > 0
+    assert set(results["offline"]) == {"eagle3", "bigram", "most_frequent"}
+    for name, result in results["offline"].items():
+        assert 1.0 <= result["tau_ci"][0] <= result["tau"] <= result["tau_ci"][1] <= k + 1, name
+        assert result["samples"] == prepared["num_validation"] and result["steps"] > 0, name
+    assert 0.0 < results["draft_vocab_coverage_of_greedy"] <= 1.0
+    measured = results["in_vllm"]
+    assert 1 <= measured["replies"] <= 2 and not measured["on_target_text"]  # EXP=tiny keeps the data's replies
+    assert measured["counters"]["drafts"] > 0
+    assert manifest["gate"] == {"checked": False, "file": "tests/assets/tau_gate.json"}
+    assert {s["what"] for s in manifest["skipped"]} == {"vLLM load check"}
+    assert set(manifest["inputs"]) == {"train", "extract", "prepare", "regenerate"}
+
+    # A floor above anything reachable: the stage exits non-zero, keeps results.json, no manifest.
+    gate = tmp_path / "gate.json"
+    gate.write_text(json.dumps({"tiny": {"k": k, "tau_min": k + 1.5}}))
+    result = subprocess.run([sys.executable, "-m", "stages.evaluate", "experiment=tiny", *BASE.split(),
+                             *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
+                            cwd=repo, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "below the floor" in output and "Traceback" in output
+    assert not (repo / "runs/tiny/evaluate/manifest.json").exists()
+    assert (repo / "runs/tiny/evaluate/results.json").exists()
+    gate.write_text(json.dumps({"tiny": {"k": k + 1, "tau_min": 1.0}}))
+    result = subprocess.run([sys.executable, "-m", "stages.evaluate", "experiment=tiny", *BASE.split(),
+                             *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
+                            cwd=repo, capture_output=True, text=True)
+    assert result.returncode != 0 and f"floor was set for k={k + 1}" in result.stdout + result.stderr

@@ -42,3 +42,97 @@ def test_bad_shards_are_refused_under_python_O(tmp_path, broken, message):
     result = validate_optimized(write_shard(tmp_path / "bad.safetensors", **broken))
     assert result.returncode != 0
     assert "ValueError" in result.stderr and message in result.stderr
+
+
+# --------------------------------------------------------------------------- in-process (mutation-tested)
+
+
+def test_validation_reads_each_row_length_and_masked_count(tmp_path):
+    from draftline.preparation import validate_shard
+
+    path = write_shard(tmp_path / "good.safetensors")
+    assert validate_shard(path, 2, 4) == [(0, 0, 3, 3), (1, 1, 2, 2)]
+    with pytest.raises(ValueError, match=r"hidden_states \(5, 2, 4\)"):
+        validate_shard(path, 3, 4)
+    with pytest.raises(ValueError, match="non-finite hidden states"):
+        validate_shard(write_shard(tmp_path / "nan.safetensors", nan=True), 2, 4)
+    with pytest.raises(ValueError, match="empty sample"):
+        validate_shard(write_shard(tmp_path / "empty.safetensors", empty_sample=True), 2, 4)
+
+
+def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
+    from draftline.preparation import validate_shard
+
+    path = tmp_path / "short.safetensors"
+    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
+               "loss_mask": torch.ones(5, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 4]),
+               "sample_ids": torch.arange(2)}, str(path))
+    with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
+        validate_shard(path, 2, 4)
+    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
+               "loss_mask": torch.ones(4, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 5]),
+               "sample_ids": torch.arange(2)}, str(path))
+    with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
+        validate_shard(path, 2, 4)
+
+
+def rows(n: int, masked=lambda i: 1) -> list[tuple[int, int, int, int, int]]:
+    """(shard, sample_id, row, length, masked): sample i is row i % 10 of shard i // 10."""
+    return [(i // 10, i, i % 10, 5 + i % 7, masked(i)) for i in range(n)]
+
+
+def test_the_split_is_by_sample_deterministic_disjoint_and_near_the_fraction():
+    from draftline.preparation import is_validation, split_rows
+
+    train, validation = split_rows(rows(2000), 0.1, seed=7, min_validation=1)
+    assert split_rows(rows(2000), 0.1, seed=7, min_validation=1) == (train, validation)
+    train_ids, validation_ids = {r[1] for r in train}, {r[1] for r in validation}
+    assert not train_ids & validation_ids and train_ids | validation_ids == set(range(2000))
+    assert 150 < len(validation) < 250  # binomial(2000, 0.1): mean 200, sd 13
+    assert validation_ids == {i for i in range(2000) if is_validation(i, 0.1, 7)}
+    other_seed = {r[1] for r in split_rows(rows(2000), 0.1, seed=8, min_validation=1)[1]}
+    assert other_seed != validation_ids
+    # The coin is per sample: a sample keeps its side when the others change.
+    subset = {r[1] for r in split_rows(rows(1000), 0.1, seed=7, min_validation=1)[1]}
+    assert subset == {i for i in validation_ids if i < 1000}
+
+
+def test_the_coin_is_the_samples_hash_below_the_fraction():
+    from draftline.preparation import is_validation
+
+    assert not any(is_validation(i, 0.0, 0) for i in range(100))
+    assert all(is_validation(i, 1.0, 0) for i in range(100))
+    assert 400 < sum(is_validation(i, 0.5, 3) for i in range(1000)) < 600
+
+
+def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
+    from draftline.preparation import split_rows
+
+    train, validation = split_rows(rows(5), 0.0, seed=0, min_validation=2)
+    assert len(validation) == 2 and len(train) == 3
+    assert {r[1] for r in train} | {r[1] for r in validation} == set(range(5))
+    assert split_rows(rows(5), 0.0, seed=0, min_validation=2) == (train, validation)
+    with pytest.raises(ValueError, match="no training samples left"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_samples_without_masked_tokens_are_dropped_from_both_splits():
+    from draftline.preparation import split_rows
+
+    train, validation = split_rows(rows(50, masked=lambda i: int(i % 5 != 0)), 0.2, seed=1, min_validation=1)
+    kept = {r[1] for r in train + validation}
+    assert kept == {i for i in range(50) if i % 5 != 0}
+
+
+def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.preparation import write_index
+
+    train, validation = [(0, 11, 1, 9, 3), (1, 20, 0, 4, 4)], [(0, 10, 0, 7, 2)]
+    write_index(tmp_path / "index.safetensors", train, validation)
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert index["train"].tolist() == [[0, 1, 9], [1, 0, 4]] and index["train"].dtype == torch.int64
+    assert index["validation"].tolist() == [[0, 0, 7]]
+    write_index(tmp_path / "empty.safetensors", train, [])
+    assert load_file(str(tmp_path / "empty.safetensors"))["validation"].shape == (0, 3)

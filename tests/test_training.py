@@ -370,3 +370,19 @@ def test_saved_draft_config_and_vllm(data, uninterrupted):
                 "eagle_aux_hidden_state_layer_ids": AUX_IDS, "draft_vocab_size": DRAFT_VOCAB}
     assert result["vllm"] == expected
     assert check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
+    # What vLLM reads is compared, not only parsed: other ids or another vocabulary size fail.
+    with pytest.raises(ValueError, match="vLLM reads .* expected"):
+        check_draft_with_vllm(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
+    with pytest.raises(ValueError, match="vLLM reads .* expected"):
+        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
+
+
+def test_a_draft_config_vllm_would_read_otherwise_is_refused(uninterrupted, tmp_path):
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(uninterrupted[0] / "draft", draft_dir)
+    config = json.loads((draft_dir / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = list(reversed(AUX_IDS))
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'eagle_aux_hidden_state_layer_ids': \[" +
+                       ", ".join(str(i) for i in reversed(AUX_IDS))):
+        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB)

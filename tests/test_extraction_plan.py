@@ -1,0 +1,183 @@
+"""Extraction before the engine: the shard plan, generate() batches, the preflight refusals, the
+disk estimate and the fingerprint that decides whether a shard on disk may be reused.
+
+All in-process and fast (no vLLM engine): `make mutation` runs these against mutants of
+draftline/extraction.py. The stage-level refusal through `python -m stages.extract` is in
+tests/test_stages.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftline import artifacts, config, extraction, tiny
+from stages import extract as extract_stage
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_shards_close_once_they_hold_shard_tokens_and_cover_every_sample_in_order():
+    plans = extraction.plan_shards([3, 4, 2, 5, 1, 1], shard_tokens=6)
+    assert [(p.index, p.sample_ids, p.num_tokens) for p in plans] == [
+        (0, (0, 1), 7), (1, (2, 3), 7), (2, (4, 5), 2)]
+    assert [p.name for p in plans] == [f"shard-0000{i}.safetensors" for i in range(3)]
+    exact = extraction.plan_shards([3, 3, 3], shard_tokens=3)  # reaching the size closes it
+    assert [p.sample_ids for p in exact] == [(0,), (1,), (2,)]
+    assert extraction.plan_shards([], shard_tokens=4) == []
+
+
+def test_the_plan_depends_only_on_lengths_and_size():
+    lengths = [int(n) for n in torch.randint(1, 50, (200,), generator=torch.Generator().manual_seed(0))]
+    first, again = extraction.plan_shards(lengths, 300), extraction.plan_shards(list(lengths), 300)
+    assert first == again
+    assert [i for p in first for i in p.sample_ids] == list(range(200))
+    assert sum(p.num_tokens for p in first) == sum(lengths)
+    assert all(p.num_tokens >= 300 for p in first[:-1])
+
+
+def test_batches_stay_within_the_token_budget_unless_one_sample_is_larger():
+    lengths = [5, 5, 5, 12, 1, 4]
+    assert extraction.plan_batches((0, 1, 2, 3, 4, 5), lengths, token_budget=10) == [
+        [0, 1], [2], [3], [4, 5]]
+    assert extraction.plan_batches((2, 4), lengths, token_budget=6) == [[2, 4]]  # 5 + 1 fits exactly
+    assert extraction.plan_batches((), lengths, token_budget=10) == []
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+
+
+def tiny_cfg(model_dir: Path, *overrides: str):
+    return config.compose(["experiment=tiny", f"model.path={model_dir}", *overrides])
+
+
+def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):
+    assert extraction.read_target_shape(model_dir) == extraction.TargetShape(6, 256, "LlamaForCausalLM")
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    (wrapped / "config.json").write_text(json.dumps(
+        {"architectures": ["KimiK25ForConditionalGeneration"],
+         "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    assert extraction.read_target_shape(wrapped) == extraction.TargetShape(
+        61, 7168, "KimiK25ForConditionalGeneration")
+    with pytest.raises(FileNotFoundError, match="target model config not found"):
+        extraction.read_target_shape(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 5], [2, 3, 4], [1]])
+def test_aux_ids_between_one_and_the_last_layer_are_accepted(ids):
+    extraction.check_layer_ids(ids, extraction.TargetShape(6, 8, "x"))
+
+
+@pytest.mark.parametrize("ids", [[0, 2, 3], [2, 3, 6], [2, 2, 3], [-1, 2, 3]])
+def test_aux_ids_outside_the_layers_or_repeated_are_refused(ids):
+    with pytest.raises(ValueError, match=r"invalid for a 6-layer target: need distinct ids in \[1, 5\]"):
+        extraction.check_layer_ids(ids, extraction.TargetShape(6, 8, "x"))
+
+
+def test_preflight_passes_the_tiny_target(model_dir):
+    shape = extract_stage.preflight(tiny_cfg(model_dir), [10, 500])
+    assert (shape.num_layers, shape.hidden_size) == (6, 256)
+
+
+@pytest.mark.parametrize("overrides, lengths, message", [
+    (["model.aux_layer_ids=[2,3,6]"], [10], "aux_layer_ids [2, 3, 6] invalid for a 6-layer target"),
+    (["model.num_layers=7"], [10], "model config says 7 layers x 256"),
+    (["model.hidden_size=128"], [10], "says 6 x 256"),
+    (["extract.max_model_len=64"], [10, 64], "longest sample has 64 tokens; extract.max_model_len=64"),
+    (["model.tensor_parallel_size=100000"], [10], "TP 100000 > CPU cores"),
+])
+def test_preflight_refuses_before_any_model_load(model_dir, overrides, lengths, message):
+    """preflight reads config.json only; each refusal names the mismatch."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        extract_stage.preflight(tiny_cfg(model_dir, *overrides), lengths)
+
+
+def test_a_sample_one_token_shorter_than_max_model_len_fits(model_dir):
+    extract_stage.preflight(tiny_cfg(model_dir, "extract.max_model_len=64"), [63])
+
+
+def test_bytes_per_token_and_the_disk_check(tmp_path):
+    assert extraction.bytes_per_token(4, 256, "bfloat16") == 4 * 256 * 2 + 9
+    assert extraction.bytes_per_token(4, 7168, "float32") == 4 * 7168 * 4 + 9
+    assert extraction.check_disk(tmp_path / "out", 1000, 100, 1.5) == 150_000
+    assert (tmp_path / "out").is_dir()
+    with pytest.raises(RuntimeError, match=r"GiB free, extraction needs about .* \(1000000000000000 tokens x 2057 B x 1.1\)"):
+        extraction.check_disk(tmp_path / "out", 10**15, 2057, 1.1)
+
+
+# --------------------------------------------------------------------------- reuse of shards
+
+
+def write_planned_shard(path: Path, plan: extraction.ShardPlan, fingerprint: str) -> None:
+    results = {i: {"hidden_states": [torch.full((2, 4), float(i))] * 2, "input_ids": torch.arange(2)}
+               for i in plan.sample_ids}
+    tensors = extraction.pack_shard(plan, results, {i: [0, 1] for i in plan.sample_ids}, "float32")
+    extraction.write_shard(path, tensors, {"fingerprint": fingerprint})
+
+
+def test_a_shard_is_reused_only_with_the_same_fingerprint_and_samples(tmp_path):
+    plan = extraction.ShardPlan(0, (3, 4), 4)
+    path = tmp_path / plan.name
+    assert not extraction.shard_is_complete(path, plan, "abc")
+    write_planned_shard(path, plan, "abc")
+    assert extraction.shard_is_complete(path, plan, "abc")
+    assert not extraction.shard_is_complete(path, plan, "abd")
+    assert not extraction.shard_is_complete(path, extraction.ShardPlan(0, (3, 5), 4), "abc")
+
+
+def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
+    plan = extraction.ShardPlan(0, (7, 2), 5)
+    results = {7: {"hidden_states": [torch.ones(3, 4), torch.zeros(3, 4)], "input_ids": torch.arange(3)},
+               2: {"hidden_states": [torch.full((2, 4), 2.0)] * 2, "input_ids": torch.arange(10, 12)}}
+    tensors = extraction.pack_shard(plan, results, {7: [0, 1, 1], 2: [1, 0]}, "bfloat16")
+    assert tensors["hidden_states"].shape == (5, 2, 4) and tensors["hidden_states"].dtype == torch.bfloat16
+    assert tensors["hidden_states"][:3, 0].eq(1).all() and tensors["hidden_states"][:3, 1].eq(0).all()
+    assert tensors["input_ids"].tolist() == [0, 1, 2, 10, 11]
+    assert tensors["loss_mask"].tolist() == [0, 1, 1, 1, 0] and tensors["loss_mask"].dtype == torch.uint8
+    assert tensors["sample_offsets"].tolist() == [0, 3, 5] and tensors["sample_ids"].tolist() == [7, 2]
+
+
+def test_identical_shards_are_byte_identical_files(tmp_path):
+    plan = extraction.ShardPlan(0, (1, 2), 4)
+    write_planned_shard(tmp_path / "a.safetensors", plan, "f")
+    write_planned_shard(tmp_path / "b.safetensors", plan, "f")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("change", ["extract.save_dtype=float32", "model.aux_layer_ids=[1,2,3]",
+                                    "extract.max_model_len=2048", "model.dtype=bfloat16"])
+def test_an_extract_config_change_invalidates_every_shard(model_dir, tmp_path, change):
+    """A change of any extract or model key changes the fingerprint, so no shard made with the
+    old config is reused (the whole run re-extracts; `make` reruns extract for the same reason)."""
+    samples = tmp_path / "samples.safetensors"
+    samples.write_bytes(b"samples")
+    manifest = {"provenance": {"config_sha256": "r" * 64}}
+    run = f"run_dir={tmp_path}"
+    before = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
+    assert before == extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
+    after = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, change), manifest, samples)
+    assert after != before
+    plan = extraction.ShardPlan(0, (0,), 2)
+    write_planned_shard(tmp_path / plan.name, plan, before)
+    assert not extraction.shard_is_complete(tmp_path / plan.name, plan, after)
+
+
+def test_other_samples_or_replies_invalidate_the_shards(model_dir, tmp_path):
+    samples = tmp_path / "samples.safetensors"
+    samples.write_bytes(b"samples")
+    cfg = tiny_cfg(model_dir, f"run_dir={tmp_path}")
+    base = extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "r"}}, samples)
+    assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "s"}}, samples) != base
+    samples.write_bytes(b"samplez")
+    assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "r"}}, samples) != base
