@@ -192,6 +192,89 @@ def test_counts_and_summary_of_known_lengths():
     assert ev.Counts.from_lengths([], 2).at_least.shape == (0, 3)
 
 
+class Flaky:
+    """The target's tokens, except one wrong token at chain position ``(7 t + salt) % 5`` of
+    the chain from start t when that is < k: walks mix steps of every accepted length."""
+
+    name = "flaky"
+
+    def propose(self, s: ev.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
+        proposals = Oracle(0).propose(s, starts, k)
+        wrong_at = (starts * 7 + int(s.input_ids[0])) % 5
+        rows = (wrong_at < k).nonzero().flatten()
+        proposals[rows, wrong_at[rows]] = -1
+        return proposals
+
+
+def flaky_replies(n: int = 8) -> list[tuple[ev.Sample, int, int]]:
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for i in range(n):
+        target = torch.randint(0, 50, (24,), generator=g).tolist()
+        ids = [i] + target[:-1]  # the data follows the target's greedy path: its own replies
+        samples.append(sample(ids, [0, 0, 0] + [1] * 21, target))
+    return ev.held_out_replies(samples)
+
+
+def as_vllm_measures(replies, accepted_per_reply) -> list[dict]:
+    """What serving.measure_replies returns: the decoded reply and each step's accepted count."""
+    return [{"tokens": s.input_ids[a:b].tolist(), "accepted": list(acc)}
+            for (s, a, b), acc in zip(replies, accepted_per_reply, strict=True)]
+
+
+def offline_steps(replies, k: int) -> list[list[int]]:
+    steps = []
+    for s, a, b in replies:
+        mask = torch.zeros_like(s.loss_mask)
+        mask[a:b] = True
+        sim = ev.simulate(Flaky(), [dataclasses.replace(s, loss_mask=mask)], k)[0]
+        steps.append(sim.accepted[sim.steps].tolist())
+    return steps
+
+
+def test_vllm_and_offline_agree_when_vllm_takes_the_walks_steps():
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    assert {a for s in steps for a in s} == set(range(k + 1))  # steps of every accepted length
+    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    assert result["replies"] == 8 and result["text_mismatches"] == 0 and result["diverging_replies"] == 0
+    assert result["shared_steps"] == sum(len(s) for s in steps)
+    assert result["paired_difference"]["difference"] == 0 and result["paired_difference"]["agrees"]
+    assert result["vllm_tau_inside_offline_ci"] and all(result["vllm_acceptance_inside_offline_ci"])
+    assert result["agrees"] and result["vllm"]["steps"] == result["shared_steps"]
+
+
+def test_vllm_and_offline_disagree_when_vllm_accepts_what_the_walk_rejects():
+    """vLLM accepting everything where the offline walk (the stored features) says otherwise:
+    the verdict is "disagrees", with the first diverging step of each reply named."""
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    optimistic = [[k] * len(s) for s in steps]
+    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, optimistic), Flaky(), k, STATS)
+    assert not result["agrees"] and not result["paired_difference"]["agrees"]
+    assert result["paired_difference"]["difference"] > 0 and result["paired_difference"]["ci"][0] > 0
+    assert result["diverging_replies"] == sum(1 for s in steps if min(s) < k)
+    first = result["divergences"][0]
+    reply = first["reply"]
+    assert first["step"] == next(j for j, a in enumerate(steps[reply]) if a < k)
+    assert first["vllm_accepted"] == k and first["offline_accepted"] == steps[reply][first["step"]]
+
+
+def test_text_vllm_decoded_otherwise_is_counted_and_located():
+    replies, k = flaky_replies(), 3
+    measured = as_vllm_measures(replies, offline_steps(replies, k))
+    measured[2]["tokens"] = measured[2]["tokens"][:5] + [99] + measured[2]["tokens"][6:]
+    measured[5]["tokens"] = measured[5]["tokens"][:-2]
+    result = ev.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
+    assert result["text_mismatches"] == 2
+    assert result["mismatched"][0] == {"reply": 2, "position": 5, "stored": replies[2][0].input_ids[8].item(),
+                                       "vllm": 99, "stored_length": 21, "vllm_length": 21}
+    assert result["mismatched"][1] == {"reply": 5, "position": 19, "stored": replies[5][0].input_ids[22].item(),
+                                       "vllm": None, "stored_length": 21, "vllm_length": 19}
+    with pytest.raises(ValueError, match="7 vLLM decodes for 8 replies"):
+        ev.vllm_vs_offline(replies, measured[:7], Flaky(), k, STATS)
+
+
 def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
