@@ -53,9 +53,11 @@ def module_of(mutant: str) -> str:
 
 
 def show(mutant: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=REPO,
-                            capture_output=True, text=True, check=True)
-    return result.stdout
+    """The mutant's diff against the original function (what `mutmut show` prints)."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    os.chdir(REPO)  # mutmut resolves mutants/ and its config from the working directory
+    return get_diff_for_mutant(mutant)
 
 
 def summarize(found: dict[str, str]) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -275,6 +276,34 @@ def test_text_vllm_decoded_otherwise_is_counted_and_located():
         ev.vllm_vs_offline(replies, measured[:7], Flaky(), k, STATS)
 
 
+def test_on_policy_fraction_counts_reached_positions_scored_on_the_greedy_context():
+    sim = ev.Simulation(starts=torch.arange(4), accepted=torch.tensor([3, 0, 1, 2]),
+                        depth=torch.tensor([3, 1, 2, 1]), steps=torch.tensor([0, 1, 2, 3]))
+    # j=1: every step, all at depth >= 1; j=2: steps accepting >= 1 (0, 2, 3), depth >= 2 at 0 and 2;
+    # j=3: steps accepting >= 2 (0, 3), depth 3 only at 0.
+    assert ev.on_policy_summary([sim], 3)["fraction_by_position"] == pytest.approx([1.0, 2 / 3, 0.5])
+    walked = dataclasses.replace(sim, steps=torch.tensor([1, 2]))
+    fractions = ev.on_policy_summary([walked], 3)["fraction_by_position"]
+    assert fractions[:2] == pytest.approx([1.0, 1.0]) and math.isnan(fractions[2])  # nothing reached 3
+    assert ev.on_policy_summary([sim, walked], 3)["fraction_by_position"] == pytest.approx([1.0, 3 / 4, 0.5])
+
+
+def test_offline_results_walk_steps_and_every_start_per_proposer():
+    replies, k = flaky_replies(), 3
+    samples = [s for s, _, _ in replies]
+    results = ev.evaluate_offline([Flaky(), Oracle(0)], samples, k, **STATS)
+    assert list(results) == ["flaky", "oracle"]
+    sims = ev.simulate(Flaky(), samples, k)
+    walked = ev.bootstrap(ev.Counts.from_lengths([s.accepted[s.steps] for s in sims], k), **STATS)
+    every = ev.bootstrap(ev.Counts.from_lengths([s.accepted for s in sims], k), **STATS)
+    flaky = results["flaky"]
+    assert {key: flaky[key] for key in walked} == walked
+    assert flaky["per_start"] == {key: every[key] for key in ("tau", "tau_ci", "acceptance", "steps")}
+    assert flaky["per_start"]["steps"] == sum(len(s.starts) for s in sims) > flaky["steps"]
+    assert flaky["on_policy"] == ev.on_policy_summary(sims, k)
+    assert results["oracle"]["tau"] == k + 1 and results["oracle"]["on_policy"]["fraction_by_position"] == [1.0] * k
+
+
 def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
@@ -482,25 +511,46 @@ def loaded_pair() -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(0)
     saved = {name: torch.randn(shape, generator=g) for name, shape in (
         ("fc.weight", (4, 12)), ("lm_head.weight", (6, 4)), ("layers.0.self_attn.q_proj.weight", (4, 4)),
-        ("layers.0.self_attn.k_proj.weight", (2, 4)), ("layers.0.self_attn.v_proj.weight", (2, 4)))}
+        ("layers.0.self_attn.k_proj.weight", (2, 4)), ("layers.0.self_attn.v_proj.weight", (2, 4)),
+        ("layers.0.mlp.gate_proj.weight", (3, 4)), ("layers.0.mlp.up_proj.weight", (3, 4)))}
     saved["d2t"] = torch.tensor([0, 3, 3])
     saved["t2d"] = torch.tensor([True, False, True])
     params = {"model.fc.weight": saved["fc.weight"].clone(),
               "lm_head.weight": torch.cat([saved["lm_head.weight"], torch.zeros(58, 4)]),  # padded rows
               "draft_id_to_target_id": saved["d2t"].clone(),
               "model.layers.0.self_attn.qkv_proj.weight": torch.cat(
-                  [saved[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])}
+                  [saved[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
+              "model.layers.0.mlp.gate_up_proj.weight": torch.cat(
+                  [saved["layers.0.mlp.gate_proj.weight"], saved["layers.0.mlp.up_proj.weight"]])}
     return params, saved
+
+
+@pytest.mark.parametrize("saved, expected", [
+    ("t2d", ("", "ignored")),
+    ("d2t", ("draft_id_to_target_id", "direct")),
+    ("fc.weight", ("model.fc.weight", "direct")),
+    ("lm_head.weight", ("lm_head.weight", "direct")),
+    ("norm.weight", ("model.norm.weight", "direct")),
+    ("layers.0.self_attn.o_proj.weight", ("model.layers.0.self_attn.o_proj.weight", "direct")),
+    ("layers.0.self_attn.q_proj.weight", ("model.layers.0.self_attn.qkv_proj.weight", "q_proj")),
+    ("layers.0.self_attn.k_proj.weight", ("model.layers.0.self_attn.qkv_proj.weight", "k_proj")),
+    ("layers.0.self_attn.v_proj.weight", ("model.layers.0.self_attn.qkv_proj.weight", "v_proj")),
+    ("layers.0.mlp.gate_proj.weight", ("model.layers.0.mlp.gate_up_proj.weight", "gate_proj")),
+    ("layers.0.mlp.up_proj.weight", ("model.layers.0.mlp.gate_up_proj.weight", "up_proj")),
+    ("layers.0.mlp.down_proj.weight", ("model.layers.0.mlp.down_proj.weight", "direct")),
+])
+def test_saved_names_map_to_vllms_parameters(saved, expected):
+    assert ev.vllm_name(saved) == expected
 
 
 def test_the_load_check_accepts_what_vllm_would_hold():
     params, saved = loaded_pair()
     report = ev.compare_loaded(params, saved)
-    assert report["ignored_by_vllm"] == ["t2d"] and len(report["placed"]) == 6
+    assert report["ignored_by_vllm"] == ["t2d"] and len(report["placed"]) == 8
     assert report["parameters"] == sorted(params)
 
 
-@pytest.mark.parametrize("tamper", ["direct", "padded", "stacked", "order", "d2t"])
+@pytest.mark.parametrize("tamper", ["direct", "padded", "stacked", "order", "d2t", "gate_up"])
 def test_the_load_check_rejects_a_tampered_tensor(tamper):
     params, saved = loaded_pair()
     if tamper == "direct":
@@ -512,6 +562,9 @@ def test_the_load_check_rejects_a_tampered_tensor(tamper):
     elif tamper == "order":  # k and v stacked in the wrong order
         q, k, v = (saved[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
         params["model.layers.0.self_attn.qkv_proj.weight"] = torch.cat([q, v, k])
+    elif tamper == "gate_up":  # up before gate
+        params["model.layers.0.mlp.gate_up_proj.weight"] = torch.cat(
+            [saved["layers.0.mlp.up_proj.weight"], saved["layers.0.mlp.gate_proj.weight"]])
     else:
         params["draft_id_to_target_id"][2] = 2
     with pytest.raises(ValueError, match="vLLM holds other values"):
