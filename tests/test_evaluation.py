@@ -304,6 +304,135 @@ def test_offline_results_walk_steps_and_every_start_per_proposer():
     assert results["oracle"]["tau"] == k + 1 and results["oracle"]["on_policy"]["fraction_by_position"] == [1.0] * k
 
 
+def test_the_verdict_needs_every_part_and_holds_at_the_ci_bounds():
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    # Identical replies: every CI has width 0, and vLLM's numbers sit exactly on its bounds.
+    same = [replies[2]] * 6
+    exact = ev.vllm_vs_offline(same, as_vllm_measures(same, [steps[2]] * 6), Flaky(), k, STATS)
+    assert exact["offline"]["tau_ci"][0] == exact["offline"]["tau_ci"][1] == exact["vllm"]["tau"]
+    assert exact["vllm_tau_inside_offline_ci"] and all(exact["vllm_acceptance_inside_offline_ci"])
+    assert exact["agrees"]
+    # vLLM's own extra steps (past the walk) outside the CI: the shared steps agree, the whole does not.
+    extra = ev.vllm_vs_offline(replies, as_vllm_measures(replies, [s + [0, 0, 0] for s in steps]),
+                               Flaky(), k, STATS)
+    assert extra["paired_difference"]["agrees"] and extra["shared_steps"] == sum(map(len, steps))
+    assert not extra["vllm_tau_inside_offline_ci"] and not extra["agrees"]
+    assert extra["vllm"]["steps"] == extra["shared_steps"] + 3 * 8
+    # One token fewer on one step of every other reply: vLLM's tau stays inside the offline CI,
+    # but its first-position acceptance does not and the paired difference excludes 0.
+    fewer = [list(s) for s in steps]
+    for s in fewer[::2]:
+        j = next(j for j, a in enumerate(s) if a in (1, 2))
+        s[j] -= 1
+    slight = ev.vllm_vs_offline(replies, as_vllm_measures(replies, fewer), Flaky(), k, STATS)
+    assert slight["vllm_tau_inside_offline_ci"] and not slight["vllm_acceptance_inside_offline_ci"][0]
+    assert not slight["paired_difference"]["agrees"] and not slight["agrees"]
+
+
+def test_every_number_of_the_verdict_has_its_value():
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    measured = as_vllm_measures(replies, [s + [1] for s in steps])  # one step past the walk per reply
+    result = ev.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
+    flat = [a for s in steps for a in s]
+    walked = len(flat)
+    assert result["offline"]["steps"] == walked and result["vllm"]["steps"] == walked + 8
+    assert result["offline_unconditional"] == pytest.approx([sum(a >= j for a in flat) / walked for j in (1, 2, 3)])
+    full = flat + [1] * 8
+    assert result["vllm_unconditional"] == pytest.approx([sum(a >= j for a in full) / len(full) for j in (1, 2, 3)])
+    assert [p["statistic"] for p in result["paired_by_position"]] == ["p1", "p2", "p3"]
+    assert all(p["difference"] == 0 and p["agrees"] for p in result["paired_by_position"])
+    wrong = as_vllm_measures(replies, [[k] * (len(s) + 1) for s in steps])
+    diverged = ev.vllm_vs_offline(replies, wrong, Flaky(), k, STATS)
+    first = diverged["divergences"][0]
+    assert first["of_steps"] == len(steps[first["reply"]])
+    assert set(first) == {"reply", "step", "of_steps", "vllm_accepted", "offline_accepted"}
+
+
+def test_first_difference_past_either_end():
+    assert ev.first_difference([1, 2, 3], [1, 2, 3]) == {}
+    assert ev.first_difference([1, 2], [1, 2, 7]) == {"position": 2, "stored": None, "vllm": 7,
+                                                        "stored_length": 2, "vllm_length": 3}
+    assert ev.first_difference([1, 2, 3], [1]) == {"position": 1, "stored": 2, "vllm": None,
+                                                     "stored_length": 3, "vllm_length": 1}
+
+
+def test_statistics_with_single_steps_and_no_steps():
+    one = ev.Counts.from_lengths([torch.tensor([2])], 3)  # one step, 2 accepted
+    assert ev.summarize(one.at_least.sum(0))["tau"] == 3.0
+    assert ev.summarize(torch.zeros(4, dtype=torch.long))["tau"] == 1.0
+    nothing = ev.summarize(ev.Counts.from_lengths([torch.tensor([0])], 3).at_least.sum(0))["acceptance"]
+    assert nothing[0] == 0.0 and math.isnan(nothing[1]) and math.isnan(nothing[2])
+    assert ev.paired_difference(one, ev.Counts.from_lengths([torch.tensor([0])], 3), "tau", 20, 0.9, 0)[
+        "difference"] == 2.0
+    assert ev.paired_difference(one, ev.Counts.from_lengths([torch.tensor([0])], 3), "p1", 20, 0.9, 0)[
+        "difference"] == 1.0
+    boot = ev.bootstrap(one, 20, 0.9, 0)
+    assert boot["tau_ci"] == [3.0, 3.0] and boot["acceptance_ci"][1] == [1.0, 1.0]
+
+
+def test_paired_cis_follow_the_level_and_resample_all_units():
+    good = random_lengths(30, 3, seed=4, skill=0.7)
+    a = ev.Counts.from_lengths(good, 3)
+    b = ev.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    wide, narrow = (ev.paired_difference(a, b, "tau", 400, level, 0)["ci"] for level in (0.95, 0.5))
+    assert wide[0] < narrow[0] < narrow[1] < wide[1]
+    # The same draws as a plain computation over every unit (index 0 included).
+    picks = torch.randint(0, 30, (400, 30), generator=torch.Generator().manual_seed(0))
+    diffs = sorted(float(ev._statistic(a.at_least[p].sum(0).double(), "tau")
+                         - ev._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks)
+    position = 0.025 * 399
+    low = diffs[int(position)] + (diffs[int(position) + 1] - diffs[int(position)]) * (position - int(position))
+    assert wide[0] == pytest.approx(low, abs=1e-12)
+
+
+def test_valid_starts_of_short_samples_and_step_lengths_per_row():
+    assert ev.valid_starts(torch.ones(4, dtype=torch.bool), 3).tolist() == []
+    assert ev.valid_starts(torch.ones(5, dtype=torch.bool), 3).tolist() == [0]
+    assert ev.valid_starts(torch.ones(5, dtype=torch.bool), 3).dtype == torch.long
+    assert ev.valid_starts(torch.ones(2, dtype=torch.bool), 3).dtype == torch.long
+    proposals = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3]])
+    assert ev.accepted_lengths(proposals, torch.tensor([[1, 2, 3]] * 3)).tolist() == [3, 1, 0]
+    assert ev.accepted_lengths(proposals[:1], torch.tensor([[1, 2, 4]])).tolist() == [2]
+
+
+def test_on_policy_depth_for_one_and_two_draft_tokens():
+    s = sample([0, 1, 2, 99, 4, 5], [1] * 6, [1, 2, 3, 4, 5, 6])
+    one = ev.on_policy_depth(s, torch.tensor([0, 1, 2]), 1)
+    assert one.tolist() == [1, 1, 1] and one.dtype == torch.long
+    assert ev.on_policy_depth(s, torch.tensor([0, 1, 2]), 2).tolist() == [2, 1, 2]
+    assert ev.walk(torch.tensor([0, 1, 1, 1], dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0])).dtype \
+        == torch.long
+
+
+def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
+    def shard(path, samples):
+        ids = torch.cat([torch.tensor(x) for x, _ in samples])
+        mask = torch.cat([torch.tensor(m, dtype=torch.uint8) for _, m in samples])
+        offsets = torch.tensor([0] + [len(x) for x, _ in samples]).cumsum(0)
+        save_file({"input_ids": ids, "loss_mask": mask, "sample_offsets": offsets}, str(path))
+        return path
+
+    first = shard(tmp_path / "a.safetensors", [([1, 2, 3], [0, 1, 1]), ([4, 4, 4], [1, 1, 1])])
+    second = shard(tmp_path / "b.safetensors", [([5, 6], [1, 1]), ([2, 3, 2], [0, 0, 1])])
+    rows = torch.tensor([[0, 0, 3], [1, 1, 3], [1, 0, 2]])  # (shard, row, length); shard 0 row 1 unused
+    unigram, bigram = ev.count_tokens([first, second], rows, 8)
+    assert unigram.dtype == torch.long and bigram.dtype == torch.long and bigram.shape == (8, 8)
+    assert unigram.tolist() == [0, 0, 2, 1, 0, 1, 1, 0]  # 2,3 | 2 | 5,6
+    assert {(i, j): int(bigram[i, j]) for i, j in bigram.nonzero().tolist()} == {
+        (1, 2): 1, (2, 3): 1, (3, 2): 1, (5, 6): 1}
+    frequent, bigrams = ev.baseline_drafts(unigram, bigram)
+    assert frequent.token == 2
+    assert bigrams.table.tolist() == [2, 2, 3, 2, 2, 6, 2, 2]  # rows never a predecessor: the mode
+    rect = torch.zeros(3, 3, dtype=torch.long)
+    rect[0, 2] = 5  # 0 -> 2 only: argmax over the successors, not the predecessors
+    assert ev.baseline_drafts(torch.tensor([0, 1, 0]), rect)[1].table.tolist() == [2, 1, 1]
+    s = sample([0, 5, 0], [1, 1, 1], [0, 0, 0])
+    assert bigrams.propose(s, torch.tensor([0]), 0).shape == (1, 0)
+    assert bigrams.propose(s, torch.tensor([0]), 2).tolist() == [[6, 2]]
+
+
 def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
