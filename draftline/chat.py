@@ -36,6 +36,7 @@ tokens (the same convention as ``apply_chat_template(tokenize=True)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bisect import bisect_left
 from itertools import pairwise
 from typing import Any, Sequence
 
@@ -54,6 +55,8 @@ __all__ = [
     "tokenize_conversation",
 ]
 
+# The offsets shortcut of the prefix strategy (fast tokenizers); off only to compare the two.
+USE_OFFSETS = True
 Span = tuple[int, int]  # [start, end) character offsets into the full render
 SampleLabel = int | str | None  # only used to name the sample in error messages
 
@@ -214,6 +217,42 @@ def _mask_by_prefix(tokenizer: Any, full: str, spans: list[Span]) -> tuple[list[
     return ids, mask
 
 
+def _offset_boundary(starts: list[int], ends: list[int], char_pos: int, length: int) -> int | None:
+    """Token index at ``char_pos`` if one token ends and the next starts exactly there."""
+    if char_pos in (0, length):
+        return 0 if char_pos == 0 else len(starts)
+    t = bisect_left(starts, char_pos)  # first token starting at or after char_pos
+    if 0 < t < len(starts) and starts[t] == char_pos and ends[t - 1] == char_pos:
+        return t
+    return None
+
+
+def _mask_by_offsets(tokenizer: Any, full: str, spans: list[Span]) -> tuple[list[int], list[int]] | None:
+    """One encode with offsets (fast tokenizers only); None unless every boundary is clean.
+
+    A shortcut for the prefix strategy: where a token ends and the next starts exactly at
+    each span boundary, the boundary encodings are prefixes of ``full``'s ids in practice
+    (boundaries sit next to special tokens).  Anything less clean (offsets trimmed around
+    spaces, a token across the boundary) falls back to the prefix strategy, so this only
+    saves the per-boundary encodes.  tests/test_chat.py checks both give the same masks.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    if starts != sorted(starts):
+        return None
+    mask = [0] * len(ids)
+    for start, end in spans:
+        first = _offset_boundary(starts, ends, start, len(full))
+        last = _offset_boundary(starts, ends, end, len(full))
+        if first is None or last is None:
+            return None
+        mask[first:last] = [1] * (last - first)
+    return ids, mask
+
+
 def _mask_by_segments(
     tokenizer: Any, full: str, spans: list[Span], sample: SampleLabel
 ) -> tuple[list[int], list[int]]:
@@ -240,7 +279,9 @@ def _mask_by_segments(
 def _encode_whole(tokenizer: Any, messages: Sequence[dict], sample: SampleLabel):
     """``(ids, mask, strategy)`` of the whole conversation, before any truncation."""
     full, spans = assistant_char_spans(tokenizer, messages, sample)
-    result = _mask_by_prefix(tokenizer, full, spans)
+    result = _mask_by_offsets(tokenizer, full, spans) if USE_OFFSETS else None
+    if result is None:
+        result = _mask_by_prefix(tokenizer, full, spans)
     if result is not None:
         return *result, "prefix"
     return *_mask_by_segments(tokenizer, full, spans, sample), "segments"
