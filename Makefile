@@ -79,6 +79,7 @@ RUN := runs/$(EXP)
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
 COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py draftline/remote_code.py
 TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py \
+  draftline/data_sources.py draftline/tokenizing.py \
   draftline/vocab.py draftline/samples.py $(COMMON_CODE)
 REGENERATE_CODE := stages/regenerate.py draftline/regeneration.py draftline/samples.py \
   draftline/vocab.py $(COMMON_CODE)

@@ -36,6 +36,7 @@ tokens (the same convention as ``apply_chat_template(tokenize=True)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bisect import bisect_left
 from itertools import pairwise
 from typing import Any, Sequence
 
@@ -47,11 +48,15 @@ __all__ = [
     "ChatTemplateError",
     "EmptyLossMaskError",
     "EncodedConversation",
+    "Windows",
     "assistant_char_spans",
     "encode_conversation",
+    "encode_windows",
     "tokenize_conversation",
 ]
 
+# The offsets shortcut of the prefix strategy (fast tokenizers); off only to compare the two.
+USE_OFFSETS = True
 Span = tuple[int, int]  # [start, end) character offsets into the full render
 SampleLabel = int | str | None  # only used to name the sample in error messages
 
@@ -156,6 +161,12 @@ def assistant_char_spans(
     """Render ``messages`` and return ``(full_text, spans)`` of assistant turns (see module doc)."""
     if not messages:
         raise ChatTemplateError(f"{_label(sample)}: no messages")
+    first = next((m for m in messages if m["role"] != "system"), None)
+    if first is not None and first["role"] == "assistant":
+        raise ChatTemplateError(
+            f"{_label(sample)}: the conversation starts with an assistant turn; chat templates "
+            "need a user turn before the first reply (the loader drops leading assistant turns)"
+        )
     full = _render(tokenizer, messages, False, sample)
     spans: list[Span] = []
     for k, message in enumerate(messages):
@@ -206,6 +217,42 @@ def _mask_by_prefix(tokenizer: Any, full: str, spans: list[Span]) -> tuple[list[
     return ids, mask
 
 
+def _offset_boundary(starts: list[int], ends: list[int], char_pos: int, length: int) -> int | None:
+    """Token index at ``char_pos`` if one token ends and the next starts exactly there."""
+    if char_pos in (0, length):
+        return 0 if char_pos == 0 else len(starts)
+    t = bisect_left(starts, char_pos)  # first token starting at or after char_pos
+    if 0 < t < len(starts) and starts[t] == char_pos and ends[t - 1] == char_pos:
+        return t
+    return None
+
+
+def _mask_by_offsets(tokenizer: Any, full: str, spans: list[Span]) -> tuple[list[int], list[int]] | None:
+    """One encode with offsets (fast tokenizers only); None unless every boundary is clean.
+
+    A shortcut for the prefix strategy: where a token ends and the next starts exactly at
+    each span boundary, the boundary encodings are prefixes of ``full``'s ids in practice
+    (boundaries sit next to special tokens).  Anything less clean (offsets trimmed around
+    spaces, a token across the boundary) falls back to the prefix strategy, so this only
+    saves the per-boundary encodes.  tests/test_chat.py checks both give the same masks.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    if starts != sorted(starts):
+        return None
+    mask = [0] * len(ids)
+    for start, end in spans:
+        first = _offset_boundary(starts, ends, start, len(full))
+        last = _offset_boundary(starts, ends, end, len(full))
+        if first is None or last is None:
+            return None
+        mask[first:last] = [1] * (last - first)
+    return ids, mask
+
+
 def _mask_by_segments(
     tokenizer: Any, full: str, spans: list[Span], sample: SampleLabel
 ) -> tuple[list[int], list[int]]:
@@ -229,6 +276,27 @@ def _mask_by_segments(
     return ids, mask
 
 
+def _encode_whole(tokenizer: Any, messages: Sequence[dict], sample: SampleLabel):
+    """``(ids, mask, strategy)`` of the whole conversation, before any truncation."""
+    full, spans = assistant_char_spans(tokenizer, messages, sample)
+    result = _mask_by_offsets(tokenizer, full, spans) if USE_OFFSETS else None
+    if result is None:
+        result = _mask_by_prefix(tokenizer, full, spans)
+    if result is not None:
+        return *result, "prefix"
+    return *_mask_by_segments(tokenizer, full, spans, sample), "segments"
+
+
+def _truncated(ids: list[int], mask: list[int], strategy: str, max_length: int,
+               sample: SampleLabel) -> EncodedConversation:
+    dropped = max(0, len(ids) - max_length)
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        why = f" after truncating {dropped} of {len(ids) + dropped} tokens" if dropped else ""
+        raise EmptyLossMaskError(f"{_label(sample)}: no assistant tokens{why} (max_length={max_length})")
+    return EncodedConversation(ids, mask, dropped, strategy)
+
+
 def encode_conversation(
     tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None
 ) -> EncodedConversation:
@@ -241,19 +309,7 @@ def encode_conversation(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    full, spans = assistant_char_spans(tokenizer, messages, sample)
-    strategy = "prefix"
-    result = _mask_by_prefix(tokenizer, full, spans)
-    if result is None:
-        strategy = "segments"
-        result = _mask_by_segments(tokenizer, full, spans, sample)
-    ids, mask = result
-    dropped = max(0, len(ids) - max_length)
-    ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
-        why = f" after truncating {dropped} of {len(ids) + dropped} tokens" if dropped else ""
-        raise EmptyLossMaskError(f"{_label(sample)}: no assistant tokens{why} (max_length={max_length})")
-    return EncodedConversation(ids, mask, dropped, strategy)
+    return _truncated(*_encode_whole(tokenizer, messages, sample), max_length, sample)
 
 
 def tokenize_conversation(
@@ -262,3 +318,94 @@ def tokenize_conversation(
     """``(input_ids, loss_mask)`` of :func:`encode_conversation`, for callers that need no stats."""
     encoded = encode_conversation(tokenizer, messages, max_length, sample)
     return encoded.input_ids, encoded.loss_mask
+
+
+# --------------------------------------------------------------------------- long conversations
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The samples one conversation became, and how much of its assistant text they keep.
+
+    ``num_assistant_tokens`` counts the loss-mask tokens of the whole conversation rendered
+    at once; ``num_kept_tokens`` those of all windows together.
+    """
+
+    samples: list[EncodedConversation]
+    num_assistant_tokens: int
+    num_kept_tokens: int
+
+
+def _exchanges(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
+    """``(head, [(start, end), ...])``: leading system turns, then each exchange's turns.
+
+    An exchange is the non-assistant turns up to and including the assistant reply after
+    them; trailing turns with no reply after them belong to no exchange.
+    """
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    exchanges, start = [], head
+    for k in range(head, len(messages)):
+        last_of_reply = messages[k]["role"] == "assistant" and (
+            k + 1 == len(messages) or messages[k + 1]["role"] != "assistant")
+        if last_of_reply:
+            exchanges.append((start, k + 1))
+            start = k + 1
+    return head, exchanges
+
+
+def encode_windows(
+    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None
+) -> Windows:
+    """Encode a conversation as one sample, or, when it is longer than ``max_length``, as
+    several samples split at exchange boundaries (a user turn and the reply to it).
+
+    Each window is the conversation's leading system turns plus as many consecutive exchanges
+    as fit, rendered on their own by the template, so every sample starts where a chat can
+    start and ends after an assistant turn.  The first window is therefore the longest prefix
+    of whole exchanges that fits; the next starts where it stopped, with the system prompt as
+    context again.  An exchange that alone is too long is cut at ``max_length`` tokens and kept
+    if some of its reply survives (``num_truncated`` says so); otherwise it is dropped, which
+    the kept-token count shows.  :class:`EmptyLossMaskError` if nothing at all survives.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    ids, mask, strategy = _encode_whole(tokenizer, messages, sample)
+    total = sum(mask)
+    if len(ids) <= max_length:
+        return Windows([EncodedConversation(ids, mask, 0, strategy)], total, total)
+    head, exchanges = _exchanges(messages)
+    system = list(messages[:head])
+
+    def window(i: int, j: int) -> list[dict]:  # exchanges i..j-1 with the system prompt
+        return system + list(messages[exchanges[i][0] : exchanges[j - 1][1]])
+
+    samples: list[EncodedConversation] = []
+    i = 0
+    while i < len(exchanges):
+        # Binary search for the largest j whose window fits: lengths grow with j.
+        lo, hi, best = i + 1, len(exchanges), None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            encoded = _encode_whole(tokenizer, window(i, mid), sample)
+            if len(encoded[0]) <= max_length:
+                best, lo = (mid, encoded), mid + 1
+            else:
+                hi = mid - 1
+        if best is None:  # one exchange alone is too long: keep its head if a reply survives
+            try:
+                samples.append(_truncated(*_encode_whole(tokenizer, window(i, i + 1), sample),
+                                          max_length, sample))
+            except EmptyLossMaskError:
+                pass  # counted through num_kept_tokens; the conversation may still yield others
+            i += 1
+            continue
+        j, (w_ids, w_mask, w_strategy) = best
+        samples.append(EncodedConversation(w_ids, w_mask, 0, w_strategy))
+        i = j
+    if not samples:
+        raise EmptyLossMaskError(
+            f"{_label(sample)}: no assistant tokens within max_length={max_length}: every exchange's "
+            f"prompt alone is longer ({len(ids)} tokens in all)")
+    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -28,3 +29,18 @@ def read_samples(path: str | Path) -> tuple[list[list[int]], list[list[int]]]:
     ids, masks = tensors["input_ids"].tolist(), tensors["loss_mask"].tolist()
     spans = list(zip(offsets[:-1], offsets[1:]))
     return [ids[a:b] for a, b in spans], [masks[a:b] for a, b in spans]
+
+
+def write_flat_samples(path: str | Path, input_ids: np.ndarray, loss_mask: np.ndarray,
+                       offsets: np.ndarray) -> None:
+    """The layout of :func:`write_samples` from flat arrays (no per-token Python objects)."""
+    if not (len(input_ids) == len(loss_mask) == int(offsets[-1])) or offsets[0] != 0:
+        raise ValueError(f"flat samples disagree: {len(input_ids)} ids, {len(loss_mask)} mask "
+                         f"entries, offsets {offsets[0]}..{offsets[-1]}")
+    tensors = {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)),
+        "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
+        "sample_offsets": torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))

@@ -13,25 +13,16 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from draftline import artifacts, config, remote_code, vocab
-from draftline.chat import EmptyLossMaskError, encode_conversation
-from draftline.conversations import DataError, load_conversations
-from draftline.samples import write_samples
+from draftline import config, vocab
+from draftline.conversations import check_roles
+from draftline.data_sources import open_source
+from draftline.samples import write_flat_samples
 from draftline.stage import run_stage
+from draftline.tokenizing import Budget, default_workers, load_tokenizer, tokenize_source
 
 log = logging.getLogger("draftline.tokenize")
-
-
-def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    trust = remote_code.check(model_dir, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
-    if not tokenizer.chat_template:
-        raise ValueError(f"{model_dir}: tokenizer has no chat_template")
-    return tokenizer
 
 
 def target_vocab_size(model_dir: str) -> int:
@@ -39,63 +30,52 @@ def target_vocab_size(model_dir: str) -> int:
     return int(model_config.get("text_config", model_config)["vocab_size"])
 
 
-def encode_all(tokenizer, conversations, seq_length: int, budget: int, skipped: list):
-    """Encode every conversation; all-masked-out ones count against the skip budget."""
-    ids, masks, truncated = [], [], 0
-    for index, messages in enumerate(conversations):
-        try:
-            encoded = encode_conversation(tokenizer, messages, seq_length, sample=index)
-        except EmptyLossMaskError as error:
-            skipped.append({"sample": index, "reason": str(error)})
-            if len(skipped) > budget:
-                raise DataError(f"{len(skipped)} conversations skipped, budget "
-                                f"tokenize.max_skipped={budget}; last: {error}") from error
-            continue
-        ids.append(encoded.input_ids)
-        masks.append(encoded.loss_mask)
-        truncated += encoded.num_truncated > 0
-    if not ids:
-        raise DataError("no usable conversation: the tokenized dataset is empty")
-    return ids, masks, truncated
-
-
 def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "tokenize")
-    data_path = Path(cfg.data.path)
-    budget = int(cfg.tokenize.max_skipped)
-    conversations, load_skipped = load_conversations(data_path, max_skipped=budget)
-    skipped = [{"where": s.where, "reason": s.reason} for s in load_skipped]
+    data, settings = cfg.data, cfg.tokenize
+    # Everything that can be wrong with the config is checked before the first record.
+    budget = Budget(settings.max_skipped)
+    roles = check_roles(OmegaConf.to_container(data.roles))
+    workers = default_workers() if settings.workers is None else int(settings.workers)
+    source = open_source(data.path, split=str(data.split))
     tokenizer = load_tokenizer(str(cfg.model.path), bool(cfg.model.trust_remote_code))
-    # One budget for both kinds of skip: encode_all appends to the load-time list.
-    ids, masks, truncated = encode_all(tokenizer, conversations, int(cfg.tokenize.seq_length),
-                                       budget, skipped)
-
     # t2d must match the target's embedding rows (config vocab_size), which can exceed
     # len(tokenizer) when the embedding is padded.
     target_vocab = target_vocab_size(str(cfg.model.path))
     if len(tokenizer) > target_vocab:
         raise ValueError(f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}")
-    draft_vocab = int(cfg.tokenize.draft_vocab_size)
+    draft_vocab = int(settings.draft_vocab_size)
     if draft_vocab > target_vocab:
         raise ValueError(f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}")
-    write_samples(out_dir / "samples.safetensors", ids, masks)
-    freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", ids, masks, target_vocab, draft_vocab)
-    num_tokens = sum(len(x) for x in ids)
-    masked = sum(sum(m) for m in masks)
-    log.info("%d samples, %d tokens (%d masked), draft vocab covers %.1f%% of masked tokens",
-             len(ids), num_tokens, masked, 100 * vocab.coverage(freq, t2d))
+
+    log.info("tokenizing %s (%s) with %d worker(s)", data.path, source.kind, workers)
+    result = tokenize_source(
+        source, model_dir=str(cfg.model.path), trust_remote_code=bool(cfg.model.trust_remote_code),
+        seq_length=int(settings.seq_length), roles=roles,
+        field=None if data.field is None else str(data.field),
+        max_samples=None if data.max_samples is None else int(data.max_samples),
+        shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget)
+    write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets)
+    ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
+    freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", [ids], [mask], target_vocab, draft_vocab)
+    tally = result.tally
+    log.info("%d records -> %d samples from %d conversations, %d skipped:\n%s",
+             tally.num_records, len(result.offsets) - 1, tally.num_conversations, tally.num_skipped,
+             tally.table())
+    log.info("%d tokens (%d masked), %.1f%% of assistant tokens kept, draft vocab covers %.1f%% of "
+             "masked tokens", len(ids), int(mask.sum()), 100 * tally.manifest()["assistant_tokens_kept_fraction"],
+             100 * vocab.coverage(freq, t2d))
     return {
         "samples": "samples.safetensors",
         "vocab": "vocab.safetensors",
-        "num_samples": len(ids),
-        "num_tokens": num_tokens,
-        "num_masked_tokens": masked,
-        "num_truncated_samples": truncated,
+        "num_samples": len(result.offsets) - 1,
+        "num_tokens": len(ids),
+        "num_masked_tokens": int(mask.sum()),
+        **tally.manifest(),
         "target_vocab_size": target_vocab,
         "draft_vocab_size": draft_vocab,
         "draft_vocab_coverage": vocab.coverage(freq, t2d),
-        "skipped": skipped,
-        "inputs": {"data": str(data_path), "data_sha256": artifacts.sha256_file(data_path)},
+        "inputs": {"data": str(data.path), **source.fingerprint()},
     }
 
 

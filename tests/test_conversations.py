@@ -68,7 +68,7 @@ BAD_RECORDS = {
     "not an object": json.dumps(["user", "x"]),
     "exactly one of": json.dumps({"messages": [], "conversations": []}),
     "not a string": json.dumps({"messages": [{"role": "assistant", "content": ["x"]}]}),
-    "lacks 'from'": json.dumps({"conversations": [{"role": "assistant", "content": "x"}]}),
+    "lacks 'from'": json.dumps({"conversations": [{"speaker": "gpt", "value": "x"}]}),
 }
 
 
@@ -110,7 +110,8 @@ def test_non_utf8_line_is_a_bad_record(tmp_path):
     path.write_bytes(GOOD_LINE.encode() + b"\n" + '{"x": "caf\xe9"}'.encode("latin-1") + b"\n")
     conversations, skipped = load_conversations(path, max_skipped=1)
     assert len(conversations) == 1
-    assert skipped[0].line == 2 and "not UTF-8" in skipped[0].reason
+    assert skipped[0].where == f"{path}:2" and skipped[0].reason == "not_utf8"
+    assert "not UTF-8" in skipped[0].detail
 
 
 # --------------------------------------------------------------------------- skip budget
@@ -121,9 +122,10 @@ def test_skips_within_budget_are_reported(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", lines)
     conversations, skipped = load_conversations(path, max_skipped=2)
     assert len(conversations) == 2
-    assert [(s.file, s.line) for s in skipped] == [(str(path), 2), (str(path), 4)]
+    assert [s.where for s in skipped] == [f"{path}:2", f"{path}:4"]
     assert isinstance(skipped[0], Skipped) and str(skipped[0]).startswith(f"{path}:2: malformed JSON")
-    assert "empty text" in skipped[1].reason
+    assert [s.reason for s in skipped] == ["malformed_json", "empty_text"]
+    assert "empty text" in skipped[1].detail
 
 
 def test_exceeding_the_budget_quotes_count_and_first_reasons(tmp_path):

@@ -54,7 +54,8 @@ def test_bad_input_within_budget_is_recorded(tmp_path, model_dir):
 
     manifest = json.loads((tmp_path / "run/tokenize/manifest.json").read_text())
     assert manifest["num_samples"] == 2
-    assert len(manifest["skipped"]) == 1 and manifest["skipped"][0]["where"].endswith(":2")
+    assert manifest["num_skipped"] == 1 and manifest["skipped"]["malformed_json"]["count"] == 1
+    assert manifest["skipped"]["malformed_json"]["examples"][0].startswith(f"{data}:2: ")
 
 
 def test_extract_refuses_bad_layer_ids_before_loading_the_model(tmp_path, model_dir):

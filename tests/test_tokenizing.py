@@ -1,0 +1,147 @@
+"""The tokenize library path on the bundled quirk set: counted skips, budgets, formats, workers."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from draftline import chat, tiny
+from draftline.conversations import DEFAULT_ROLES, DataError
+from draftline.data_sources import open_source
+from draftline.tokenizing import Budget, tokenize_source
+
+QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tok") / "model"
+    tiny.build_tokenizer(directory)
+    return directory
+
+
+def run(model_dir, data, budget=20, workers=1, seq_length=256, **options):
+    settings = {"max_samples": None, "shuffle": False, "seed": 0, "field": None} | options
+    return tokenize_source(open_source(data), model_dir=str(model_dir), trust_remote_code=False,
+                           seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
+                           budget=Budget(budget), **settings)
+
+
+def digest(result) -> str:
+    return hashlib.sha256(b"".join(a.tobytes() for a in (result.input_ids, result.loss_mask,
+                                                          result.offsets))).hexdigest()
+
+
+def test_quirk_set_skip_table_and_fixes(model_dir):
+    tally = run(model_dir, QUIRKS).tally.manifest()
+    counts = {reason: entry["count"] for reason, entry in tally["skipped"].items()}
+    assert counts == {"bad_record": 1, "empty_text": 1, "malformed_json": 1, "no_assistant_tokens": 1,
+                      "no_assistant_turn": 1, "no_turns": 1, "not_utf8": 1, "same_role_run": 1,
+                      "unknown_role": 1}
+    assert tally["skipped"]["unknown_role"]["examples"] == [
+        f"{QUIRKS}:8: turn 1 has unknown role 'tool' (map it in data.roles)"]
+    assert tally["unknown_roles"] == {"tool": 1}
+    # lines 2 and 3 start with the assistant: kept, 1 + 2 leading turns dropped
+    assert tally["leading_assistant_turns_dropped"] == {"conversations": 2, "turns": 3}
+    assert tally["num_records"] == 19 and tally["num_conversations"] == 10
+    # line 16's first exchange alone is over 256 tokens: the later exchange is kept on its own
+    assert tally["num_split_conversations"] == 1
+    assert 0.5 < tally["assistant_tokens_kept_fraction"] < 1.0
+
+
+def test_budget_as_count_and_fraction(model_dir):
+    with pytest.raises(DataError, match=r"9 of \d+ records skipped, over tokenize.max_skipped=8 \(count\)"):
+        run(model_dir, QUIRKS, budget=8)
+    with pytest.raises(DataError, match=r"9 of 19 records skipped.*fraction") as info:
+        run(model_dir, QUIRKS, budget=0.4)
+    assert f"unknown_role" in str(info.value) and f"{QUIRKS}:8" in str(info.value)
+    assert run(model_dir, QUIRKS, budget=0.5).tally.num_skipped == 9
+
+
+def test_long_conversation_windows_end_with_replies(model_dir):
+    result = run(model_dir, QUIRKS, seq_length=256)
+    offsets = result.offsets.tolist()
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        assert b - a <= 256 and result.loss_mask[a:b].any()
+    whole = run(model_dir, QUIRKS, seq_length=4096).tally.manifest()
+    assert whole["assistant_tokens_kept_fraction"] == 1.0 and whole["num_split_conversations"] == 0
+
+
+def test_offsets_shortcut_gives_the_prefix_strategy_masks(model_dir, monkeypatch):
+    fast = digest(run(model_dir, QUIRKS))
+    monkeypatch.setattr(chat, "USE_OFFSETS", False)
+    assert digest(run(model_dir, QUIRKS)) == fast
+
+
+def test_assistant_first_error_says_so(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    messages = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "b"}]
+    with pytest.raises(chat.ChatTemplateError, match="starts with an assistant turn"):
+        chat.encode_conversation(tokenizer, messages, 100, sample=4)
+
+
+def test_parquet_and_datasets_dir_match_jsonl(model_dir, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from benchmarks.tokenize import generate
+
+    jsonl = tmp_path / "c.jsonl"
+    generate(jsonl, 80, seed=3)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "c_ds"))
+    expected = run(model_dir, jsonl)
+    assert expected.tally.num_skipped > 0 and expected.tally.leading_dropped_conversations > 0
+    for other in (tmp_path / "c.parquet", tmp_path / "c_ds"):
+        got = run(model_dir, other)
+        assert digest(got) == digest(expected), other
+        assert got.tally.skips == expected.tally.skips
+
+
+def test_max_samples_and_seeded_shuffle(model_dir):
+    first = run(model_dir, QUIRKS, max_samples=7)
+    assert first.tally.num_records == 7
+    shuffled = [digest(run(model_dir, QUIRKS, shuffle=True, seed=s)) for s in (1, 1, 2)]
+    assert shuffled[0] == shuffled[1] != shuffled[2]
+    assert shuffled[0] != digest(run(model_dir, QUIRKS))
+
+
+def test_hub_name_reads_the_local_cache_only(monkeypatch, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(DataError, match=r"'someone/chats' is neither .* local Hugging Face cache"):
+        open_source("someone/chats")
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "datasets--someone--chats"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    data = repo / "snapshots" / revision / "data"
+    data.mkdir(parents=True)
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    pq.write_table(pa.Table.from_pylist(rows), data / "train-00000-of-00001.parquet")
+    source = open_source("someone/chats")
+    assert source.kind == "hub" and source.count() == 1
+    assert [r[1] for r in source.stream()] == rows
+    with pytest.raises(DataError, match="no parquet/JSON file of split 'test'"):
+        open_source("someone/chats", split="test")
+
+
+@pytest.mark.slow
+def test_100k_generated_conversations_same_output_with_two_workers(model_dir, tmp_path):
+    from benchmarks.tokenize import generate
+
+    data = tmp_path / "100k.jsonl"
+    quirks = generate(data, 100_000)
+    one = run(model_dir, data, budget=0.05, workers=1, seq_length=2048)
+    two = run(model_dir, data, budget=0.05, workers=2, seq_length=2048)
+    assert digest(one) == digest(two) and one.tally.manifest() == two.tally.manifest()
+    assert one.tally.leading_dropped_conversations == quirks["assistant_first"]
+    assert one.tally.skips["no_turns"] == quirks["no_turns"]
