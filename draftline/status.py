@@ -56,11 +56,10 @@ def ensure_assets(cfg) -> None:
         builders = {"tiny_llama": tiny.build_tiny_llama, "tiny_deepseek_v3": tiny.build_tiny_deepseek_v3,
                     "tiny_kimi_k25": tiny.build_tiny_kimi_k25}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
-    data_path = Path(cfg.data.path)
-    if cfg.data.build and not data_path.exists():
-        from draftline.conversations import write_default_conversations
+    if cfg.data.build:
+        from draftline import embedded
 
-        write_default_conversations(data_path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(cfg.data.path, max_bytes=int(cfg.data.max_bytes))
 
 
 def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:

@@ -145,10 +145,10 @@ def next_token_accuracy(model: torch.nn.Module, sequences: list[list[int]]) -> f
 def ensure_corpus(cfg: DictConfig) -> Path:
     """The embedded conversations, written by the same builder `make` stamping uses."""
     path = Path(cfg.data.path)
-    if cfg.data.build and not path.exists():
-        from draftline.conversations import write_default_conversations
+    if cfg.data.build:
+        from draftline import embedded
 
-        write_default_conversations(path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(path, max_bytes=int(cfg.data.max_bytes))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no conversations to train the target on")
     return path
