@@ -97,10 +97,17 @@ def closure(entries: list[str]) -> list[Path]:
 
 @lru_cache(maxsize=1)
 def _installed() -> dict[str, importlib.metadata.Distribution]:
+    """Distributions installed in this environment's site-packages, by normalised name.
+    Copies vendored inside a package (setuptools puts its ``_vendor`` dir on sys.path once
+    imported) are not installed packages: a process that never imported setuptools would
+    not see them."""
+    import sysconfig
+
+    sites = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
     dists = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
-        if name:
+        if name and Path(dist.locate_file("")).resolve() in sites:
             dists.setdefault(_normal(name), dist)
     return dists
 
@@ -134,7 +141,9 @@ def loaded(extra_files: list[str | Path] = ()) -> dict:
     code = sorted({str(p.relative_to(REPO)) for m in modules if (p := _project_file(m))})
     tops = {name.split(".")[0] for name in sys.modules}
     providers = importlib.metadata.packages_distributions()
-    dists = sorted({_normal(d) for top in tops if top not in PROJECT for d in providers.get(top, [])})
+    installed = _installed()
+    dists = sorted({_normal(d) for top in tops if top not in PROJECT
+                    for d in providers.get(top, []) if _normal(d) in installed})
     return current({"code": dict.fromkeys(code), "packages": dict.fromkeys(dists),
                     "patches": dict.fromkeys(p for p in PATCHED if p in tops),
                     "files": dict.fromkeys(str(f) for f in extra_files)})

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import subprocess
 import sys
 import time
@@ -204,10 +204,22 @@ def output_files(stage_dir: Path) -> dict[str, Path]:
     return files
 
 
-def compare_file(old: Path, new: Path, atol: float, tau_tol: float) -> tuple[str, str]:
-    """("identical" | "within tolerance" | "differs", detail) for one output file."""
+def _without_run_dirs(text: str, names: list[str]) -> str:
+    """Paths into a run dir (``.../<name>/...``) with the part up to the run dir cut off."""
+    pattern = r'[^"\s]*/(?:' + "|".join(re.escape(n) for n in names) + r')/'
+    return re.sub(pattern, "<run dir>/", text)
+
+
+def compare_file(old: Path, new: Path, atol: float, tau_tol: float,
+                 run_names: list[str] = ()) -> tuple[str, str]:
+    """("identical" | "within tolerance" | "differs", detail) for one output file. A JSON
+    file that names files of its run (checkpoint state: shard paths) is compared with those
+    paths cut at the run dir (``run_names``: the run dirs' names, here and where recorded)."""
     if old.read_bytes() == new.read_bytes():
         return "identical", ""
+    if run_names and old.suffix == ".json":
+        if _without_run_dirs(old.read_text(), run_names) == _without_run_dirs(new.read_text(), run_names):
+            return "identical", "run dir paths aside"
     if old.suffix == ".safetensors":
         return _compare_tensors(old, new, atol)
     if old.name == "results.json":
@@ -237,15 +249,17 @@ def _compare_results(old: Path, new: Path, tau_tol: float) -> tuple[str, str]:
     return verdict, f"max tau difference {worst:.4f} (tau_tol {tau_tol:g}); draft tau {a['eagle3']['tau']:.4f} vs {b['eagle3']['tau']:.4f}"
 
 
-def compare_stage(old_dir: Path, new_dir: Path, atol: float, tau_tol: float) -> tuple[str, list[str]]:
+def compare_stage(old_dir: Path, new_dir: Path, atol: float, tau_tol: float,
+                  recorded_run_dir: str) -> tuple[str, list[str]]:
     """The stage's verdict (the worst of its files) and a line per file that is not identical."""
     old, new = output_files(old_dir), output_files(new_dir)
+    names = sorted({old_dir.absolute().parent.name, new_dir.absolute().parent.name, Path(recorded_run_dir).name})
     if old.keys() != new.keys():
         return "differs", [f"files in one run only: {sorted(set(old) ^ set(new))}"]
     order = ["identical", "within tolerance", "differs"]
     verdict, notes = "identical", []
     for rel in old:
-        result, detail = compare_file(old[rel], new[rel], atol, tau_tol)
+        result, detail = compare_file(old[rel], new[rel], atol, tau_tol, names)
         if result != "identical":
             notes.append(f"{rel}: {result}, {detail}")
         verdict = max(verdict, result, key=order.index)
@@ -284,7 +298,8 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
 
             embedded.ensure_conversations(cfg["data"]["path"], int(cfg["data"]["max_bytes"]))
         seconds = run_stage(stage, cfg, out)
-        verdict, notes = compare_stage(from_dir / stage, out / stage, atol, tau_tol)
+        verdict, notes = compare_stage(from_dir / stage, out / stage, atol, tau_tol,
+                                       manifest["provenance"]["config"]["run_dir"])
         deterministic = stage in DETERMINISTIC[device]
         verdicts.append((stage, verdict, "yes" if deterministic else "no", f"{seconds:.0f} s",
                          "; ".join(notes[:3]) + (f" (+{len(notes) - 3} more)" if len(notes) > 3 else "")))
