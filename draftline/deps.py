@@ -135,17 +135,27 @@ def _project_file(module) -> Path | None:
     return path if path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in PROJECT else None
 
 
-def loaded(extra_files: list[str | Path] = ()) -> dict:
-    """What this process ran on: its project files, distributions, patch queues, Python."""
+def loaded(extra_files: list[str | Path] = (), previous: dict | None = None) -> dict:
+    """What this process ran on: its project files, distributions, patch queues, Python.
+
+    ``previous``: the record of the run whose outputs this one resumed (same config): its
+    names are kept where they still exist, since a resumed stage may import less than the
+    run that made the outputs it keeps (extract with every shard on disk loads no vLLM).
+    """
     modules = list(sys.modules.values())
-    code = sorted({str(p.relative_to(REPO)) for m in modules if (p := _project_file(m))})
+    code = {str(p.relative_to(REPO)) for m in modules if (p := _project_file(m))}
     tops = {name.split(".")[0] for name in sys.modules}
     providers = importlib.metadata.packages_distributions()
     installed = _installed()
-    dists = sorted({_normal(d) for top in tops if top not in PROJECT
-                    for d in providers.get(top, []) if _normal(d) in installed})
-    return current({"code": dict.fromkeys(code), "packages": dict.fromkeys(dists),
-                    "patches": dict.fromkeys(p for p in PATCHED if p in tops),
+    dists = {_normal(d) for top in tops if top not in PROJECT
+             for d in providers.get(top, []) if _normal(d) in installed}
+    queues = {p for p in PATCHED if p in tops}
+    if previous:
+        code |= {name for name in previous.get("code", {}) if (REPO / name).is_file()}
+        dists |= {name for name in previous.get("packages", {}) if name in installed}
+        queues |= set(previous.get("patches", {})) & set(PATCHED)
+    return current({"code": dict.fromkeys(sorted(code)), "packages": dict.fromkeys(sorted(dists)),
+                    "patches": dict.fromkeys(sorted(queues)),
                     "files": dict.fromkeys(str(f) for f in extra_files)})
 
 

@@ -97,3 +97,15 @@ def test_config_changes_are_named_and_cannot_be_accepted(tmp_path):
         status.accept(run, "prepare")
     os.utime(run / "extract" / artifacts.MANIFEST)  # newer upstream outputs: named too
     assert "extract's outputs are newer" in status.show_status(run)[3]
+
+
+def test_a_resumed_run_keeps_what_the_run_it_resumed_imported():
+    installed = sorted(deps._installed())[0]
+    previous = {"code": {"draftline/tiny.py": "x", "draftline/gone.py": "y"},
+                "packages": {installed: "0", "not-installed-anywhere": "1"},
+                "patches": {"speculators": None}}
+    recorded = deps.loaded(previous=previous)
+    assert "draftline/tiny.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
+    assert installed in recorded["packages"] and "not-installed-anywhere" not in recorded["packages"]
+    assert "speculators" in recorded["patches"]
+    assert "draftline/tiny.py" not in deps.loaded()["code"]  # without it: only what ran here
