@@ -96,8 +96,9 @@ $(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) co
     $(VENV)/.setup-$(STACK)
 	$(PY) -m draftline.target_training experiment=tiny-trained
 
+# `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would rerun.
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
+	+$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
 
 $(RUN)/tokenize/manifest.json: $(call stamps,tokenize)
 	$(PY) -m stages.tokenize $(STAGE_ARGS)

@@ -145,7 +145,7 @@ def replay_config(stage: str, manifest: dict, exp: str, run_dir: Path, data_path
     cfg = OmegaConf.to_container(config.compose(experiment), resolve=True)
     for key in config.STAGE_KEYS[stage]:
         if key in recorded:
-            cfg[key] = recorded[key]
+            cfg[key] = _merged(cfg.get(key), recorded[key])
     numerics = cfg.setdefault("numerics", {"deterministic": True})
     if numerics.get("torch_threads") is None:  # torch's default then: replay the recorded count
         numerics["torch_threads"] = (manifest["provenance"].get("numerics") or {}).get("torch_threads")
@@ -154,6 +154,14 @@ def replay_config(stage: str, manifest: dict, exp: str, run_dir: Path, data_path
     cfg["exp"], cfg["run_dir"] = exp, str(run_dir)
     cfg["hydra"] = {"run": {"dir": f"{run_dir}/logs"}, "output_subdir": None, "job": {"chdir": False}}
     return cfg
+
+
+def _merged(base, recorded):
+    """``recorded`` over ``base``, key by key: what a stage recorded wins, and keys it left out
+    of its record (regenerate drops model.aux_layer_ids) keep the composed value."""
+    if isinstance(base, dict) and isinstance(recorded, dict):
+        return {**base, **{key: _merged(base.get(key), value) for key, value in recorded.items()}}
+    return recorded
 
 
 def ensure_target(cfg: dict, exp: str) -> None:
