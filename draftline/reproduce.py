@@ -198,15 +198,16 @@ def run_stage(stage: str, cfg: dict, work_dir: Path) -> float:
 
 
 def output_files(stage_dir: Path) -> dict[str, Path]:
-    """Output files by path relative to the stage dir; a run key dir (train/runs/<key>/,
-    a hash of paths and config) is named by its position instead."""
+    """Output files by path relative to the stage dir; a resume key dir (train/runs/<key>/,
+    regenerate/chunks/<key>/: hashes of config, paths, upstream manifests) is named by its
+    position instead."""
     files = {}
     for path in sorted(p for p in stage_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(stage_dir)
         if rel.name in NOT_OUTPUTS or rel.name.endswith(NOT_OUTPUT_SUFFIXES) or rel.name.startswith("."):
             continue
         parts = list(rel.parts)
-        if len(parts) > 2 and parts[0] == "runs":
+        if len(parts) > 2 and parts[0] in ("runs", "chunks"):
             parts[1] = "<key>"
         files["/".join(parts)] = path
     return files
