@@ -17,6 +17,9 @@ LOCK_DATE ?= 2026-11-28#         locks resolve as of this date (reproducible re-
 PYTEST_ARGS ?=#                  extra pytest arguments, e.g. PYTEST_ARGS="-k patchq"
 EXP ?= tiny#                     experiment: conf/experiment/$(EXP).yaml, outputs in runs/$(EXP)/
 OVERRIDES ?=#                    free Hydra overrides, e.g. OVERRIDES="train.lr=1e-3"
+STAGE ?=#                        the stage `make accept` keeps, e.g. STAGE=extract
+FROM ?=#                         the run dir `make reproduce` replays, e.g. FROM=runs/tiny-trained
+FORCE ?=#                        1: `make reproduce` runs despite another revision, lock or patch queue
 
 PY := $(VENV)/bin/python
 TOOLS := .tools
@@ -72,51 +75,44 @@ lock-check: | $(UV) ## Fail when a lock no longer matches its inputs
 
 # ---- pipeline ---------------------------------------------------------------------------
 # Each stage's manifest is its Make target, written last and atomically by the stage. Its
-# prerequisites: the upstream manifest, the stage's code, and its config stamp, which
-# `draftline.status stamp` rewrites only when the stage's resolved config changes.
+# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.status
+# stamp` rewrites only when their content changes: config.json (its resolved config) and
+# deps.json (what its last run imported, as it is now: project code, package versions, patch
+# queues, Python; see draftline/deps.py). No code lists by hand: the run records its own.
 export HYDRA_FULL_ERROR := 1
 RUN := runs/$(EXP)
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
-COMMON_CODE := draftline/artifacts.py draftline/config.py draftline/stage.py draftline/remote_code.py
-TOKENIZE_CODE := stages/tokenize.py draftline/conversations.py draftline/chat.py \
-  draftline/data_sources.py draftline/tokenizing.py \
-  draftline/vocab.py draftline/samples.py $(COMMON_CODE)
-REGENERATE_CODE := stages/regenerate.py draftline/regeneration.py draftline/samples.py \
-  draftline/vocab.py $(COMMON_CODE)
-EXTRACT_CODE := stages/extract.py draftline/extraction.py draftline/samples.py $(COMMON_CODE)
-PREPARE_CODE := stages/prepare.py draftline/preparation.py $(COMMON_CODE)
-TRAIN_CODE := stages/train.py draftline/training.py draftline/train_data.py \
-  draftline/train_model.py $(COMMON_CODE)
-EVALUATE_CODE := stages/evaluate.py draftline/evaluation.py draftline/regeneration.py draftline/train_model.py \
-  draftline/train_data.py $(COMMON_CODE)
-REPORT_CODE := stages/report.py draftline/report.py $(COMMON_CODE)
-TAU_GATE := tests/assets/tau_gate.json
-STAMPS := $(foreach s,tokenize regenerate extract prepare train evaluate report,$(RUN)/$(s)/config.json)
+STAGES := tokenize regenerate extract prepare train evaluate report
+STAMPS := $(foreach s,$(STAGES),$(RUN)/$(s)/config.json $(RUN)/$(s)/deps.json)
+stamps = $(RUN)/$(1)/config.json $(RUN)/$(1)/deps.json
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
-# cached under runs/_assets/ like any stage output.
+# cached under runs/_assets/ like any stage output; its code is the import closure of its
+# builder, read from the imports (draftline.deps uses the standard library only).
 TRAINED_TARGET := runs/_assets/tiny-llama-trained/build.json
+TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.deps files draftline.target_training)
 
 .PHONY: FORCE
-$(TRAINED_TARGET): draftline/target_training.py draftline/tiny.py conf/model/tiny_llama_trained.yaml \
+$(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny_llama_trained.yaml \
     $(VENV)/.setup-$(STACK)
 	$(PY) -m draftline.target_training experiment=tiny-trained
 
+# `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would rerun.
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
+	+$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
 
-$(RUN)/tokenize/manifest.json: $(RUN)/tokenize/config.json $(TOKENIZE_CODE)
+$(RUN)/tokenize/manifest.json: $(call stamps,tokenize)
 	$(PY) -m stages.tokenize $(STAGE_ARGS)
-$(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json $(RUN)/regenerate/config.json $(REGENERATE_CODE)
+$(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json $(call stamps,regenerate)
 	$(PY) -m stages.regenerate $(STAGE_ARGS)
-$(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)
+$(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(call stamps,extract)
 	$(PY) -m stages.extract $(STAGE_ARGS)
-$(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)
+$(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(call stamps,prepare)
 	$(PY) -m stages.prepare $(STAGE_ARGS)
-$(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)
+$(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(call stamps,train)
 	$(PY) -m stages.train $(STAGE_ARGS)
-$(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json $(RUN)/evaluate/config.json $(EVALUATE_CODE) $(TAU_GATE)
+$(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json $(call stamps,evaluate)
 	$(PY) -m stages.evaluate $(STAGE_ARGS)
-$(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(RUN)/report/config.json $(REPORT_CODE)
+$(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(call stamps,report)
 	$(PY) -m stages.report $(STAGE_ARGS)
 
 .PHONY: tokenize regenerate extract prepare train all
@@ -136,16 +132,14 @@ report: $(RUN)/report/manifest.json ## One HTML page of the run under runs/<EXP>
 serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm serve` (OpenAI API; port from conf/serve)
 	$(PY) -m stages.serve $(STAGE_ARGS)
 
-.PHONY: status
-status: $(STAMPS) ## Say which stages are stale and why
-	@$(PY) -m draftline.status show \
-	  tokenize=$(RUN)/tokenize/manifest.json:$(call deps,$(RUN)/tokenize/config.json $(TOKENIZE_CODE)) \
-	  regenerate=$(RUN)/regenerate/manifest.json:$(call deps,$(RUN)/tokenize/manifest.json $(RUN)/regenerate/config.json $(REGENERATE_CODE)) \
-	  extract=$(RUN)/extract/manifest.json:$(call deps,$(RUN)/regenerate/manifest.json $(RUN)/extract/config.json $(EXTRACT_CODE)) \
-	  prepare=$(RUN)/prepare/manifest.json:$(call deps,$(RUN)/extract/manifest.json $(RUN)/prepare/config.json $(PREPARE_CODE)) \
-	  train=$(RUN)/train/manifest.json:$(call deps,$(RUN)/prepare/manifest.json $(RUN)/train/config.json $(TRAIN_CODE)) \
-	  evaluate=$(RUN)/evaluate/manifest.json:$(call deps,$(RUN)/train/manifest.json $(RUN)/evaluate/config.json $(EVALUATE_CODE) $(TAU_GATE)) \
-	  report=$(RUN)/report/manifest.json:$(call deps,$(RUN)/evaluate/manifest.json $(RUN)/report/config.json $(REPORT_CODE))
+.PHONY: status accept
+status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
+	@$(PY) -m draftline.status show $(RUN)
+
+accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
+	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }
+	$(PY) -m draftline.status accept $(RUN) $(STAGE)
+
 comma := ,
 empty :=
 space := $(empty) $(empty)
@@ -156,6 +150,13 @@ deps = $(subst $(space),$(comma),$(strip $(1)))
 # replies, a draft trained on them, evaluate (fails below the tau floor in tests/assets) and report.
 smoke: setup ## Whole pipeline on the embedded trained tiny target (CPU), tau gate, report
 	$(MAKE) --no-print-directory report EXP=tiny-trained
+
+.PHONY: reproduce
+# Replays FROM's stages with the configs their manifests recorded, then compares outputs
+# stage by stage (draftline/reproduce.py); refuses another revision, lock or patch queue.
+reproduce: setup ## Replay FROM=<run dir> into runs/<exp>-reproduce/ and compare stage by stage (FORCE=1 despite other revision/locks/patches)
+	@[ -n "$(FROM)" ] || { echo "usage: make reproduce FROM=<run dir> [FORCE=1]" >&2; exit 2; }
+	$(PY) -m draftline.reproduce $(FROM) $(if $(filter 1,$(FORCE)),--force)
 
 # ---- images -----------------------------------------------------------------------------
 # One multi-stage Dockerfile, targets gpu and cpu (see its header). The docker client must

@@ -159,6 +159,11 @@ def git_revision(repo: str | Path = ".") -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def lock_hashes(repo: str | Path = Path(__file__).resolve().parents[1]) -> dict[str, str]:
+    """sha256 of each requirements/*.lock of the checkout (or image) the run came from."""
+    return {path.name: sha256_file(path) for path in sorted(Path(repo, "requirements").glob("*.lock"))}
+
+
 def provenance(resolved: dict) -> dict:
     """What every manifest records about how it was made."""
     return {
@@ -168,15 +173,18 @@ def provenance(resolved: dict) -> dict:
         "patches": applied_patches(),
         "vllm_patches": applied_patches("vllm"),
         "git": git_revision(),
+        "locks": lock_hashes(),
+        "stack": os.environ.get("STACK"),  # the image's lock (cpu/gpu); unset outside one
         "python": platform.python_version(),
         "host": platform.node(),
     }
 
 
-def write_manifest(stage_dir: str | Path, resolved: dict, **fields: Any) -> Path:
+def write_manifest(stage_dir: str | Path, resolved: dict, *, extra_provenance: dict | None = None,
+                   **fields: Any) -> Path:
     """Write the stage's manifest last: its existence is what marks the stage done."""
     path = Path(stage_dir) / MANIFEST
-    write_json(path, {**fields, "provenance": provenance(resolved)})
+    write_json(path, {**fields, "provenance": {**provenance(resolved), **(extra_provenance or {})}})
     return path
 
 

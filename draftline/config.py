@@ -16,13 +16,13 @@ STAGES = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate", "
 # The config groups each stage reads. Upstream changes reach a stage through the upstream
 # manifest, so a stage's stamp holds only what it reads itself.
 STAGE_KEYS = {
-    "tokenize": ("model", "data", "tokenize", "seed"),
-    "regenerate": ("model", "regenerate", "seed"),
-    "extract": ("model", "extract"),
-    "prepare": ("prepare", "seed"),
-    "train": ("model", "train", "seed"),
-    "evaluate": ("model", "evaluate", "seed"),
-    "report": ("report",),
+    "tokenize": ("model", "data", "tokenize", "seed", "numerics"),
+    "regenerate": ("model", "regenerate", "seed", "numerics"),
+    "extract": ("model", "extract", "numerics"),
+    "prepare": ("prepare", "seed", "numerics"),
+    "train": ("model", "train", "seed", "numerics"),
+    "evaluate": ("model", "evaluate", "seed", "numerics"),
+    "report": ("report", "numerics"),
 }
 
 
@@ -68,6 +68,13 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     if stage in ("regenerate", "extract"):
         resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
     return resolved
+
+
+def stage_files(cfg: DictConfig, stage: str) -> list[str]:
+    """Files a stage reads that are neither data nor code: their hashes join its dependencies."""
+    if stage == "evaluate" and cfg.evaluate.gate:
+        return [str(cfg.evaluate.gate)]
+    return []
 
 
 def stage_dir(cfg: DictConfig, stage: str) -> Path:

@@ -1,4 +1,4 @@
-"""Load chat conversations and normalise them; the embedded default set.
+"""Load chat conversations and normalise them (the embedded set: draftline.embedded).
 
 Two record styles are accepted and normalised to ``[{"role", "content"}, ...]``
 with roles ``system`` / ``user`` / ``assistant``:
@@ -34,17 +34,11 @@ the tiny target's training; the tokenize stage streams records itself.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import os
-import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
-
-from draftline.artifacts import atomic_path
 
 __all__ = [
     "Conversation",
@@ -52,8 +46,6 @@ __all__ = [
     "Skipped",
     "load_conversations",
     "normalize_record",
-    "default_conversations",
-    "write_default_conversations",
 ]
 
 Conversation = list[dict[str, str]]
@@ -259,133 +251,3 @@ def load_conversations(
     if not conversations:
         raise DataError(f"{source.label}: no conversations loaded ({len(skipped)} record(s) skipped)")
     return conversations, skipped
-
-
-# --------------------------------------------------------------------------- default set
-
-# Pure-Python or core C modules whose docstrings do not depend on the platform
-# or on optional libraries, so the default set is the same on every machine
-# running the same Python version.
-_DEFAULT_MODULES = (
-    "abc", "argparse", "base64", "bisect", "calendar", "collections", "contextlib", "copy",
-    "csv", "dataclasses", "datetime", "difflib", "enum", "fnmatch", "fractions", "functools",
-    "graphlib", "heapq", "html", "ipaddress", "itertools", "json", "math", "numbers", "operator",
-    "pprint", "queue", "random", "re", "shlex", "statistics", "string", "textwrap", "types",
-    "typing", "uuid", "weakref",
-)  # fmt: skip
-_SYSTEM_PROMPTS = (
-    "You are a helpful assistant who knows the Python standard library well.",
-    "Answer questions about Python precisely, quoting the official documentation.",
-)
-_QUESTIONS = (
-    "What does `{name}` do?",
-    "Explain `{name}`.",
-    "Can you describe `{name}` from the Python standard library?",
-    "I'm reading code that uses `{name}`. What is it for?",
-    "Summarise the documentation of `{name}`.",
-    "How does `{name}` work?",
-)
-_FOLLOW_UPS = ("And `{name}`?", "What about `{name}`?", "Now explain `{name}`, please.")
-_ANSWER_PREFIXES = ("", "Here is what the documentation says about `{name}`:\n\n", "`{name}`: ")
-_MIN_DOC_CHARS = 40  # one-liners like "Return self==value." teach little
-_MAX_DOC_CHARS = 6000  # keeps single samples well under typical max_length budgets
-
-
-def _own_member(obj: Any, module: str) -> bool:
-    """True for a function/class defined by ``module`` (or its C accelerator), not re-exported."""
-    if not (inspect.isroutine(obj) or inspect.isclass(obj)):
-        return False  # constants would yield their *type's* docstring, e.g. str's
-    owner = getattr(obj, "__module__", None) or ""
-    return owner in (module, "_" + module) or owner.startswith(module + ".")
-
-
-def _members(module: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(qualified_name, object)`` for a module, its members and their methods, sorted."""
-    mod = importlib.import_module(module)
-    yield module, mod
-    for name in sorted(dir(mod)):
-        obj = getattr(mod, name, None)
-        if name.startswith("_") or not _own_member(obj, module):
-            continue
-        yield f"{module}.{name}", obj
-        if inspect.isclass(obj):
-            for attr in sorted(vars(obj)):
-                value = getattr(obj, attr, None)
-                if not attr.startswith("_") and inspect.isroutine(value):
-                    yield f"{module}.{name}.{attr}", value
-
-
-def _doc_entries() -> list[tuple[str, str]]:
-    """``(qualified_name, docstring)`` pairs; duplicate docstrings keep the first name."""
-    entries: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    # Deprecated aliases (e.g. typing.io) warn when touched; only their text is read here.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for module in _DEFAULT_MODULES:
-            for name, obj in _members(module):
-                raw = obj.__doc__  # not inspect.getdoc: inherited docs would describe the base
-                doc = inspect.cleandoc(raw) if isinstance(raw, str) else ""
-                if _MIN_DOC_CHARS <= len(doc) <= _MAX_DOC_CHARS and doc not in seen:
-                    seen.add(doc)
-                    entries.append((name, doc))
-    return entries
-
-
-def _pick(options: tuple[str, ...], name: str, salt: str) -> str:
-    """Choose a phrasing from the name; crc32 is stable across runs, unlike ``hash``."""
-    return options[zlib.crc32(f"{salt}:{name}".encode()) % len(options)]
-
-
-def _answer(name: str, doc: str) -> dict[str, str]:
-    return {"role": "assistant", "content": _pick(_ANSWER_PREFIXES, name, "a").format(name=name) + doc}
-
-
-def _conversation(group: list[tuple[str, str]], index: int) -> Conversation:
-    """One conversation about 1..3 entries: a question, then follow-ups for the rest."""
-    messages: Conversation = []
-    if index % 5 == 0:
-        messages.append({"role": "system", "content": _SYSTEM_PROMPTS[index // 5 % 2]})
-    for turn, (name, doc) in enumerate(group):
-        options = _QUESTIONS if turn == 0 else _FOLLOW_UPS
-        messages.append({"role": "user", "content": _pick(options, name, "q").format(name=name)})
-        messages.append(_answer(name, doc))
-    return messages
-
-
-def default_conversations() -> Iterator[Conversation]:
-    """Deterministic conversations built from stdlib docstrings (sorted iteration).
-
-    Every fourth conversation is multi-turn (two or three entries of the
-    stream, asked as follow-ups); every fifth has a system prompt.
-    """
-    entries = _doc_entries()
-    position, index = 0, 0
-    while position < len(entries):
-        size = 1 if index % 4 else 2 + index // 4 % 2
-        yield _conversation(entries[position : position + size], index)
-        position += size
-        index += 1
-
-
-def write_default_conversations(out_path: str | os.PathLike[str], max_bytes: int = 1_000_000) -> int:
-    """Write :func:`default_conversations` as OpenAI-style JSONL, at most ``max_bytes``.
-
-    Conversations are written in order until the next one would exceed the
-    cap, so a smaller cap gives a prefix of the larger set.  The file is
-    byte-identical across runs on the same Python version and is replaced
-    atomically.  Returns the number of conversations written.
-    """
-    lines: list[bytes] = []
-    total = 0
-    for messages in default_conversations():
-        line = (json.dumps({"messages": messages}, ensure_ascii=False, sort_keys=True) + "\n").encode()
-        if total + len(line) > max_bytes:
-            break
-        lines.append(line)
-        total += len(line)
-    if not lines:
-        raise ValueError(f"max_bytes={max_bytes} is too small for even one conversation")
-    with atomic_path(out_path) as tmp:
-        tmp.write_bytes(b"".join(lines))
-    return len(lines)

@@ -9,13 +9,24 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
+from draftline import artifacts, config, deps, numerics
 
 log = logging.getLogger("draftline")
 
 
+def _resumed_deps(stage_dir, resolved: dict) -> dict | None:
+    """The dependency record of the previous run when it had this config: a rerun may keep
+    its outputs (shards, chunks, checkpoints), so what made them stays recorded."""
+    path = stage_dir / artifacts.MANIFEST
+    if not path.exists():
+        return None
+    provenance = artifacts.read_json(path).get("provenance", {})
+    return provenance.get("deps") if provenance.get("config") == resolved else None
+
+
 def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -> None:
-    """Run ``work``; on any exception log the full traceback and exit non-zero.
+    """Run ``work`` under the configured numerics; on any exception log the full traceback
+    and exit non-zero. The manifest records the numerics and what the run imported.
 
     The stage writes its own config stamp too, so a stage run by hand (without Make) still
     leaves the record Make compares against. A manifest of an earlier run goes first: a run
@@ -24,13 +35,19 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -
     stage_dir = config.stage_dir(cfg, stage)
     resolved = config.stage_config(cfg, stage)
     artifacts.write_stamp(stage_dir / artifacts.STAMP, resolved)
+    previous = _resumed_deps(stage_dir, resolved)
     (stage_dir / artifacts.MANIFEST).unlink(missing_ok=True)
     start = time.monotonic()
     try:
+        applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
         fields = work(cfg)
+        # What the run imported, read from this process once the work is done (draftline.deps).
+        recorded = deps.loaded(config.stage_files(cfg, stage), previous)
     except BaseException:
         log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)
         sys.exit(1)
     fields["wall_seconds"] = round(time.monotonic() - start, 3)
-    path = artifacts.write_manifest(stage_dir, resolved, stage=stage, **fields)
+    path = artifacts.write_manifest(stage_dir, resolved, stage=stage, **fields,
+                                    extra_provenance={"exp": str(cfg.exp), "numerics": numerics.describe(applied),
+                                                      "deps": recorded})
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)

@@ -1,19 +1,28 @@
-"""`make` helpers: write every stage's config stamp, and say which stages are stale and why.
+"""`make` helpers: write every stage's stamps, say which stages are stale and why, accept.
 
     python -m draftline.status stamp tiny -- train.lr=1e-3
-    python -m draftline.status show tokenize=runs/tiny/tokenize/manifest.json:dep,dep ...
+    python -m draftline.status show runs/tiny
+    python -m draftline.status accept runs/tiny extract
+
+Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
+Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
+imported, draftline.deps: project files, package versions, patch queues, Python, named files,
+as they are now). When ``deps.json`` matches what the manifest recorded it carries the
+manifest's own mtime, so only a real difference makes the stage stale. ``accept`` records in
+the manifest that a user kept the outputs across such a difference.
 
 Stamping composes the config once for all stages and builds the project's own inputs (tiny
 targets, the embedded conversation set) when they are missing, since the stamps fingerprint
 them. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
-of file stats alone (conf/, the code that resolves it, the inputs the last compose named)
-and skips Hydra entirely when nothing changed.
+of file stats alone (conf/, the project's code, the installed packages and patch records, the
+inputs the last compose named) and skips Hydra entirely when nothing changed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,8 +37,17 @@ def _stat_key(paths: list[Path]) -> list:
     return key
 
 
+def _environment_files() -> list[Path]:
+    """Stats that move when packages are installed or removed, or a patch queue re-applied."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    return [site] + [site / pkg / "DRAFTLINE_PATCHES.json" for pkg in ("speculators", "vllm")]
+
+
 def _cache_key(argv: list[str], inputs: list[str]) -> str:
-    watched = sorted((REPO / "conf").rglob("*.yaml")) + [REPO / "draftline/config.py"]
+    watched = (sorted((REPO / "conf").rglob("*.yaml")) + sorted((REPO / "draftline").rglob("*.py"))
+               + sorted((REPO / "stages").glob("*.py")) + _environment_files())
     blob = json.dumps([argv, _stat_key(watched), _stat_key([Path(p) for p in inputs])])
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -56,11 +74,10 @@ def ensure_assets(cfg) -> None:
         builders = {"tiny_llama": tiny.build_tiny_llama, "tiny_deepseek_v3": tiny.build_tiny_deepseek_v3,
                     "tiny_kimi_k25": tiny.build_tiny_kimi_k25}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
-    data_path = Path(cfg.data.path)
-    if cfg.data.build and not data_path.exists():
-        from draftline.conversations import write_default_conversations
+    if cfg.data.build:
+        from draftline import embedded
 
-        write_default_conversations(data_path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(cfg.data.path, max_bytes=int(cfg.data.max_bytes))
 
 
 def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
@@ -72,20 +89,153 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
     changed, stamps = [], []
     for stage in config.STAGES:
         path = config.stage_dir(cfg, stage) / artifacts.STAMP
-        stamps.append(str(path))
+        stamps += [str(path), str(path.parent / DEPS_STAMP)]
         if artifacts.write_stamp(path, config.stage_config(cfg, stage)):
             changed.append(path)
-    inputs = [str(cfg.data.path), str(Path(cfg.model.path) / "config.json")]
+        if sync_deps_stamp(path.parent, config.stage_files(cfg, stage)):
+            changed.append(path.parent / DEPS_STAMP)
+    inputs = [str(cfg.data.path), str(Path(cfg.model.path) / "config.json"),
+              *(f for s in config.STAGES for f in config.stage_files(cfg, s))]
     artifacts.write_json(_cache_path(exp), {"key": _cache_key(argv, inputs), "inputs": inputs,
                                             "stamps": stamps})
     return changed
 
 
-def stale_reasons(target: Path, deps: list[Path]) -> list[str]:
-    if not target.exists():
+DEPS_STAMP = "deps.json"
+
+
+def recorded_deps(manifest: dict) -> dict | None:
+    """What a stage's run depended on, as its manifest recorded it (None: made before
+    draftline recorded dependencies)."""
+    return manifest.get("provenance", {}).get("deps")
+
+
+def _expected_deps(recorded: dict | None, files: list[str]) -> dict | None:
+    from draftline import deps
+
+    if recorded is None:
+        return None
+    # A file the config names now but the run did not (a gate added later) is a difference.
+    return deps.current({**recorded, "files": {**dict.fromkeys(files), **recorded.get("files", {})}})
+
+
+def sync_deps_stamp(stage_dir: Path, files: list[str]) -> bool:
+    """Rewrite ``deps.json`` when its content changes; give it the manifest's mtime when it
+    equals what the manifest recorded, so Make reruns the stage only for a real difference."""
+    from draftline import artifacts
+
+    stamp, manifest_path = stage_dir / DEPS_STAMP, stage_dir / artifacts.MANIFEST
+    if not manifest_path.exists():
+        return artifacts.write_stamp(stamp, {"recorded": None, "why": "the stage has not run"})
+    recorded = recorded_deps(artifacts.read_json(manifest_path))
+    now = _expected_deps(recorded, files)
+    if now is None:
+        return artifacts.write_stamp(stamp, {"recorded": None, "why": "manifest has no dependency record"})
+    changed = artifacts.write_stamp(stamp, now)
+    if now == recorded:
+        built = manifest_path.stat().st_mtime_ns
+        os.utime(stamp, ns=(built, built))
+    return changed
+
+
+def _config_differences(recorded: dict, now: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += _config_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"config {prefix}{key}: {json.dumps(old)} -> {json.dumps(new)}")
+    return out
+
+
+def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> list[str]:
+    """Why ``stage_dir``'s outputs are stale, each reason named; [] when up to date."""
+    from draftline import artifacts, deps
+
+    manifest_path = stage_dir / artifacts.MANIFEST
+    if not manifest_path.exists():
         return ["never run (no manifest)"]
-    built = target.stat().st_mtime_ns
-    return [f"{dep} is newer" for dep in deps if not dep.exists() or dep.stat().st_mtime_ns > built]
+    manifest = artifacts.read_json(manifest_path)
+    built = manifest_path.stat().st_mtime_ns
+    reasons = []
+    if upstream is not None and (not (upstream / artifacts.MANIFEST).exists()
+                                 or (upstream / artifacts.MANIFEST).stat().st_mtime_ns > built):
+        reasons.append(f"{upstream.name}'s outputs are newer")
+    stamp = stage_dir / artifacts.STAMP
+    if stamp.exists():
+        reasons += _config_differences(manifest["provenance"]["config"], artifacts.read_json(stamp))
+    recorded = recorded_deps(manifest)
+    if recorded is None:
+        reasons.append("no dependency record in the manifest (made before draftline recorded them)")
+    else:
+        reasons += deps.differences(recorded, _expected_deps(recorded, files))
+    return reasons
+
+
+def stage_files(run_dir: Path, stage: str) -> list[str]:
+    """The extra files the stage's stamped config names (see config.stage_files)."""
+    from draftline import artifacts
+
+    stamp = run_dir / stage / artifacts.STAMP
+    gate = artifacts.read_json(stamp).get("evaluate", {}).get("gate") if stamp.exists() else None
+    return [str(gate)] if stage == "evaluate" and gate else []
+
+
+def show_status(run_dir: Path) -> list[str]:
+    """One line per stage in pipeline order, with every reason it is stale."""
+    from draftline import config
+
+    lines, upstream_stale, upstream = [], False, None
+    for stage in config.STAGES:
+        reasons = stale_reasons(run_dir / stage, upstream, stage_files(run_dir, stage))
+        if upstream_stale and not reasons:
+            reasons = ["an upstream stage is stale"]
+        upstream_stale = upstream_stale or bool(reasons)
+        lines.append(f"{stage:>10}: " + ("STALE - " + "; ".join(reasons) if reasons else "up to date"))
+        upstream = run_dir / stage
+    return lines
+
+
+def accept(run_dir: Path, stage: str) -> list[str]:
+    """Keep ``stage``'s outputs across the dependency differences found now: record them, who
+    and when in its manifest (``accepted``), and make the recorded dependencies the current
+    ones. Config changes and newer upstream outputs cannot be accepted: they change the data."""
+    import datetime
+    import getpass
+    import platform
+
+    from draftline import artifacts, config, deps
+
+    if stage not in config.STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {config.STAGES}")
+    stage_dir = run_dir / stage
+    manifest_path = stage_dir / artifacts.MANIFEST
+    manifest = artifacts.read_manifest(stage_dir)
+    files = stage_files(run_dir, stage)
+    recorded = recorded_deps(manifest)
+    if recorded is None:
+        raise ValueError(f"{manifest_path} has no dependency record to accept against: rerun the stage")
+    now = _expected_deps(recorded, files)
+    upstream = run_dir / config.STAGES[config.STAGES.index(stage) - 1] if stage != config.STAGES[0] else None
+    differences = deps.differences(recorded, now)
+    other = [r for r in stale_reasons(stage_dir, upstream, files) if r not in differences]
+    if other:
+        raise ValueError(f"{stage}: only code, package, patch, Python and file differences can be "
+                         f"accepted; rerun the stage for: {'; '.join(other)}")
+    if not differences:
+        raise ValueError(f"{stage}: nothing to accept, its dependencies are unchanged")
+    manifest.setdefault("accepted", []).append({
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "by": getpass.getuser(), "host": platform.node(), "differences": differences,
+        "previous": recorded})
+    manifest["provenance"]["deps"] = now
+    built = manifest_path.stat().st_mtime_ns
+    artifacts.write_json(manifest_path, manifest)
+    # Downstream stages compare their mtime with this manifest's: accepting must not rerun them.
+    os.utime(manifest_path, ns=(built, built))
+    sync_deps_stamp(stage_dir, files)
+    return differences
 
 
 def build_cli():
@@ -100,17 +250,16 @@ def build_cli():
             typer.echo(f"config changed: {path}")
 
     @app.command()
-    def show(specs: list[str]) -> None:
-        """Each SPEC is STAGE=MANIFEST:DEP,DEP,... in pipeline order; one line per stage."""
-        upstream_stale = False
-        for spec in specs:
-            stage, rest = spec.split("=", 1)
-            target, deps = rest.split(":", 1)
-            reasons = stale_reasons(Path(target), [Path(d) for d in deps.split(",") if d])
-            if upstream_stale and not reasons:
-                reasons = ["an upstream stage is stale"]
-            upstream_stale = upstream_stale or bool(reasons)
-            typer.echo(f"{stage:>9}: " + ("STALE - " + "; ".join(reasons) if reasons else "up to date"))
+    def show(run_dir: Path) -> None:
+        """One line per stage of RUN_DIR: up to date, or STALE with every reason."""
+        for line in show_status(run_dir):
+            typer.echo(line)
+
+    @app.command("accept")
+    def accept_cmd(run_dir: Path, stage: str) -> None:
+        """Keep STAGE's outputs across its current code/package/patch differences (recorded)."""
+        for difference in accept(run_dir, stage):
+            typer.echo(f"{stage}: accepted {difference}")
 
     return app
 

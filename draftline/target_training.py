@@ -145,10 +145,10 @@ def next_token_accuracy(model: torch.nn.Module, sequences: list[list[int]]) -> f
 def ensure_corpus(cfg: DictConfig) -> Path:
     """The embedded conversations, written by the same builder `make` stamping uses."""
     path = Path(cfg.data.path)
-    if cfg.data.build and not path.exists():
-        from draftline.conversations import write_default_conversations
+    if cfg.data.build:
+        from draftline import embedded
 
-        write_default_conversations(path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(path, max_bytes=int(cfg.data.max_bytes))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no conversations to train the target on")
     return path
@@ -158,7 +158,7 @@ def build_trained_target(cfg: DictConfig) -> Path:
     """Build ``cfg.model.path``: the random tiny Llama, then ``model.train`` steps of LM training."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from draftline import tiny
+    from draftline import numerics, tiny
     from draftline.conversations import load_conversations
 
     spec = TargetTrainSpec.from_config(cfg.model.train)
@@ -194,6 +194,7 @@ def build_trained_target(cfg: DictConfig) -> Path:
             "loss_first": losses[0], "loss_last": losses[-1],
             "loss_history": losses, "held_out_next_token_accuracy": accuracy,
             "torch_threads": torch.get_num_threads(),
+            "numerics": numerics.describe(),
             "seconds": round(time.monotonic() - start, 1),
             "versions": artifacts.package_versions(),
         })
@@ -208,6 +209,9 @@ def main(argv: list[str]) -> None:
     cfg = config.compose(argv)
     if "train" not in cfg.model:
         raise SystemExit(f"model {cfg.model.name} has no model.train block: nothing to train")
+    from draftline import numerics
+
+    numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
     path = build_trained_target(cfg)
     log.info("trained target written to %s", path)
 

@@ -4,12 +4,12 @@ Every builder writes a complete Hugging Face model directory (float32
 safetensors weights, ``config.json``, ``generation_config.json`` and the
 tokenizer files) that both transformers and vLLM's CPU engine can load.
 Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on
-a corpus made from Python standard-library docstrings, and the weights are
-drawn from a seeded torch generator.
+the committed corpus of Python standard-library docstrings (draftline.embedded),
+and the weights are drawn from a seeded torch generator.
 
-Same arguments -> byte-identical files (for a fixed Python / torch /
-transformers / tokenizers stack: the corpus is stdlib docstrings and
-``config.json`` records the transformers version).  Directories are written to
+Same arguments -> byte-identical files (for a fixed torch / transformers /
+tokenizers stack: ``config.json`` records the transformers version; the corpus
+is committed, so the interpreter does not matter).  Directories are written to
 a temporary sibling first and then renamed into place, so a reader never sees
 a half-written model and rebuilding an existing directory replaces it.
 
@@ -29,8 +29,6 @@ RMSNorm (the raw output of the last layer is replaced by ``last_hidden_state``).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 from pathlib import Path
 from typing import Iterator
 
@@ -75,18 +73,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
 
-_CORPUS_MODULES = (
-    "argparse",
-    "collections",
-    "functools",
-    "itertools",
-    "json",
-    "os",
-    "pathlib",
-    "re",
-    "string",
-    "textwrap",
-)
 
 
 # --------------------------------------------------------------------------
@@ -104,35 +90,11 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 def default_corpus() -> list[str]:
-    """Deterministic training text: docstrings of a fixed set of stdlib modules.
+    """The tokenizer's training text: the committed stdlib-docstring corpus
+    (draftline.embedded), identical on every interpreter."""
+    from draftline import embedded
 
-    Modules and their public members are visited in sorted order; duplicate
-    docstrings are dropped (first occurrence kept).
-    """
-    docs: list[str] = []
-    seen: set[str] = set()
-
-    def add(doc: str | None) -> None:
-        if doc and doc not in seen:
-            seen.add(doc)
-            docs.append(doc)
-
-    for name in sorted(_CORPUS_MODULES):
-        mod = importlib.import_module(name)
-        add(inspect.getdoc(mod))
-        for member in sorted(dir(mod)):
-            if member.startswith("_"):
-                continue
-            obj = getattr(mod, member, None)
-            if obj is None or inspect.ismodule(obj):
-                continue
-            add(inspect.getdoc(obj))
-            if inspect.isclass(obj) and obj.__module__ == mod.__name__:
-                for attr in sorted(vars(obj)):
-                    if attr.startswith("_"):
-                        continue
-                    add(inspect.getdoc(getattr(obj, attr, None)))
-    return docs
+    return embedded.tokenizer_corpus()
 
 
 def _train_bpe(corpus: list[str] | None, vocab_size: int):

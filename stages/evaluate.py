@@ -3,8 +3,9 @@
     make evaluate EXP=tiny-trained          # or: python -m stages.evaluate experiment=tiny-trained
 
 Writes ``results.json`` (all numbers) and then checks the tau gate recorded for this experiment
-(``evaluate.gate``, tests/assets/tau_gate.json): below the floor the stage fails and leaves no
-manifest, so ``make`` stops, while results.json still shows what was measured.
+(``evaluate.gate``, tests/assets/tau_gate.json): below the floor, or with a tau CI that does not
+lie above the bigram baseline's, the stage fails and leaves no manifest, so ``make`` stops,
+while results.json still shows what was measured.
 """
 
 from __future__ import annotations
@@ -99,14 +100,29 @@ def read_gate(cfg: DictConfig, k: int) -> dict | None:
     return entry
 
 
-def apply_gate(gate: dict | None, tau: float, gate_file: str | None) -> dict:
+def apply_gate(gate: dict | None, offline: dict, gate_file: str | None, baseline: str = "bigram") -> dict:
+    """Pass only when the draft's tau is at or above the recorded floor *and* its CI lies
+    wholly above the ``baseline`` draft's CI on the same held-out replies: a draft collapsed
+    to bigram level fails on every machine, whatever the floor was measured on."""
     if gate is None:
         return {"checked": False, "file": gate_file}
-    verdict = {"checked": True, "file": gate_file, "tau_min": float(gate["tau_min"]), "tau": tau,
-               "passed": tau >= float(gate["tau_min"])}
-    if not verdict["passed"]:
-        raise AssertionError(f"tau {tau:.3f} of the trained draft is below the floor "
-                             f"{gate['tau_min']} recorded in {gate_file}: the draft regressed")
+    draft, base = offline["eagle3"], offline[baseline]
+    verdict = {"checked": True, "file": gate_file, "tau_min": float(gate["tau_min"]),
+               "tau": draft["tau"], "tau_ci": draft["tau_ci"], "baseline": baseline,
+               "baseline_tau": base["tau"], "baseline_tau_ci": base["tau_ci"],
+               "above_floor": draft["tau"] >= float(gate["tau_min"]),
+               "above_baseline": draft["tau_ci"][0] > base["tau_ci"][1]}
+    verdict["passed"] = verdict["above_floor"] and verdict["above_baseline"]
+    failures = []
+    if not verdict["above_floor"]:
+        failures.append(f"tau {draft['tau']:.3f} of the trained draft is below the floor "
+                        f"{gate['tau_min']} recorded in {gate_file}")
+    if not verdict["above_baseline"]:
+        failures.append(f"the draft's tau CI [{draft['tau_ci'][0]:.3f}, {draft['tau_ci'][1]:.3f}] "
+                        f"does not lie above the {baseline} baseline's CI "
+                        f"[{base['tau_ci'][0]:.3f}, {base['tau_ci'][1]:.3f}] on the same replies")
+    if failures:
+        raise AssertionError("; ".join(failures) + ": the draft regressed")
     return verdict
 
 
@@ -167,7 +183,7 @@ def run(cfg: DictConfig) -> dict:
     failures = vllm_failures(cfg, measured)
     if failures:
         raise RuntimeError("; ".join(failures))
-    gate = apply_gate(read_gate(cfg, k), offline["eagle3"]["tau"], cfg.evaluate.gate)
+    gate = apply_gate(read_gate(cfg, k), offline, cfg.evaluate.gate)
     return {
         **results, "gate": gate, "results": "results.json", "skipped": skipped,
         "inputs": {name: artifacts.sha256_file(config.stage_dir(cfg, name) / artifacts.MANIFEST)

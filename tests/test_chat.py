@@ -22,7 +22,8 @@ from draftline.chat import (
     encode_conversation,
     tokenize_conversation,
 )
-from draftline.conversations import DataError, load_conversations, write_default_conversations
+from draftline.conversations import DataError, load_conversations
+from draftline.embedded import write_conversations
 
 END = tiny.END
 CONVERSATION = [
@@ -129,7 +130,7 @@ def fast(tokenizers):
 @pytest.fixture(scope="module")
 def default_conversations(tmp_path_factory):
     path = tmp_path_factory.mktemp("conv") / "c.jsonl"
-    write_default_conversations(path, max_bytes=60_000)
+    write_conversations(path, max_bytes=60_000)
     return load_conversations(path)[0]
 
 

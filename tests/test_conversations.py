@@ -1,9 +1,6 @@
-"""Loading ShareGPT/OpenAI conversations from JSON/JSONL, skip budgets, the default set."""
+"""Loading ShareGPT/OpenAI conversations from JSON/JSONL, skip budgets (the embedded set: test_embedded)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +8,8 @@ import pytest
 from draftline.conversations import (
     DataError,
     Skipped,
-    default_conversations,
     load_conversations,
-    write_default_conversations,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 SHAREGPT = {
     "conversations": [
@@ -155,50 +148,3 @@ def test_all_records_skipped_is_an_error(tmp_path):
 def test_negative_budget_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="max_skipped"):
         load_conversations(write_lines(tmp_path / "d.jsonl", [GOOD_LINE]), max_skipped=-1)
-
-
-# --------------------------------------------------------------------------- default set
-
-
-@pytest.fixture(scope="module")
-def default_set(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("default") / "conversations.jsonl"
-    write_default_conversations(path)
-    return path
-
-
-def test_default_set_is_small_valid_and_varied(default_set):
-    assert 100_000 < default_set.stat().st_size <= 1_000_000
-    conversations, skipped = load_conversations(default_set, max_skipped=0)
-    assert skipped == [] and len(conversations) > 300
-    assistant_turns = [sum(m["role"] == "assistant" for m in c) for c in conversations]
-    assert max(assistant_turns) >= 3 and assistant_turns.count(1) > len(conversations) // 2
-    assert sum(c[0]["role"] == "system" for c in conversations) > 50
-    openers = {c[-2]["content"].split("`")[0] for c in conversations if len(c) == 2}
-    assert len(openers) >= 5  # the deterministic phrasing varies
-    assert any("JSON" in c[-1]["content"] for c in conversations)  # real stdlib docstrings
-
-
-def test_default_set_is_byte_identical_across_runs_and_hash_seeds(default_set, tmp_path):
-    script = "import sys; from draftline.conversations import write_default_conversations as w; "
-    script += "w(sys.argv[1])"
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
-    again = tmp_path / "again.jsonl"
-    subprocess.run([sys.executable, "-c", script, str(again)], check=True, env=env, cwd=tmp_path)
-    assert again.read_bytes() == default_set.read_bytes()
-
-
-def test_smaller_cap_gives_a_prefix(default_set, tmp_path):
-    small = tmp_path / "small.jsonl"
-    count = write_default_conversations(small, max_bytes=20_000)
-    data = small.read_bytes()
-    assert len(data) <= 20_000 and data.count(b"\n") == count
-    assert default_set.read_bytes().startswith(data)
-    with pytest.raises(ValueError, match="too small"):
-        write_default_conversations(tmp_path / "none.jsonl", max_bytes=10)
-
-
-def test_default_conversations_stream_matches_file(default_set):
-    first = next(iter(default_conversations()))
-    line = default_set.read_text(encoding="utf-8").splitlines()[0]
-    assert json.loads(line) == {"messages": first}

@@ -712,11 +712,23 @@ def test_the_gate_asset_records_measured_runs_with_a_margin():
         "the floor must sit above the baselines, or a collapsed draft would pass"
 
 
+def _offline(tau: float, ci: list[float], bigram_ci: list[float]) -> dict:
+    return {"eagle3": {"tau": tau, "tau_ci": ci}, "bigram": {"tau": sum(bigram_ci) / 2, "tau_ci": bigram_ci}}
+
+
 def test_the_gate_fails_below_the_floor():
-    assert apply_gate({"tau_min": 1.5}, 1.6, "gate.json")["passed"]
-    assert not apply_gate(None, 1.0, "gate.json")["checked"]
+    assert apply_gate({"tau_min": 1.5}, _offline(1.6, [1.55, 1.65], [1.3, 1.4]), "gate.json")["passed"]
+    assert not apply_gate(None, _offline(1.0, [0.9, 1.1], [1.3, 1.4]), "gate.json")["checked"]
     with pytest.raises(AssertionError, match="below the floor"):
-        apply_gate({"tau_min": 1.5}, 1.4, "gate.json")
+        apply_gate({"tau_min": 1.5}, _offline(1.4, [1.35, 1.45], [1.0, 1.1]), "gate.json")
+
+
+def test_the_gate_fails_when_the_tau_ci_overlaps_the_bigram_ci():
+    # Above the floor, but a machine where the bigram baseline does as well (CIs overlap).
+    with pytest.raises(AssertionError, match="does not lie above the bigram baseline's CI"):
+        apply_gate({"tau_min": 1.5}, _offline(1.6, [1.52, 1.68], [1.45, 1.55]), "gate.json")
+    verdict = apply_gate({"tau_min": 1.5}, _offline(1.6, [1.56, 1.68], [1.45, 1.55]), "gate.json")
+    assert verdict["above_baseline"] and verdict["baseline_tau_ci"] == [1.45, 1.55]
 
 
 # --------------------------------------------------------------------------- the smoke run (slow)

@@ -1,8 +1,10 @@
 """The whole pipeline through Make, in a copy of the repository, on a small embedded run.
 
-Default tier: a full `make all`, a no-op rerun, a train-only change. The `slow` tier adds the
-extract-key change, a touched tokenize input, and a `kill -9` of extract followed by a resume
-that must give byte-identical shards.
+Default tier: a full `make all`, a no-op rerun, a train-only change, edited modules (only the
+stages that import them go stale; `make accept`), `make reproduce` refusing another lock or
+patch queue. The `slow` tier adds the extract-key change, a touched tokenize input, a `kill -9`
+of extract followed by a resume that must give byte-identical shards, and a full `make
+reproduce` of the run.
 """
 
 import json
@@ -173,3 +175,80 @@ def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
                              *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
                             cwd=repo, capture_output=True, text=True)
     assert result.returncode != 0 and f"floor was set for k={k + 1}" in result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------- staleness
+
+
+def _edit(path: Path, text: str) -> str:
+    before = path.read_text()
+    path.write_text(before + text)
+    return before
+
+
+def test_a_module_only_train_imports_reruns_only_train_and_accept_keeps_it(repo):
+    module = repo / "draftline/train_checkpoint.py"
+    before = _edit(module, "\n# an edit that changes no behaviour\n")
+    _, output = make(repo, "status")
+    assert "train: STALE - code draftline/train_checkpoint.py changed" in output
+    assert output.count("up to date") == 4, output  # tokenize .. prepare
+    ran, _ = make(repo, "all")
+    assert ran == ["train"]
+    module.write_text(before)  # back to the recorded-before text: train differs again ...
+    _, output = make(repo, "status")
+    assert "train: STALE - code draftline/train_checkpoint.py changed" in output
+    _, output = make(repo, "accept", "STAGE=train")  # ... and the user keeps its outputs
+    assert "train: accepted code draftline/train_checkpoint.py changed" in output
+    ran, output = make(repo, "all", "status")
+    assert ran == [] and all(f"{stage}: up to date" in output for stage in STAGES), output
+    accepted = json.loads((repo / "runs/tiny/train/manifest.json").read_text())["accepted"]
+    assert accepted[-1]["differences"] == ["code draftline/train_checkpoint.py changed"]
+
+
+def test_a_module_every_stage_imports_makes_every_stage_stale(repo):
+    module = repo / "draftline/artifacts.py"
+    before = _edit(module, "\n# an edit that changes no behaviour\n")
+    _, output = make(repo, "status")
+    for stage in STAGES:
+        assert f"{stage}: STALE - code draftline/artifacts.py changed" in output
+    module.write_text(before)  # same bytes as recorded: nothing is stale, whatever the mtime
+    ran, output = make(repo, "all", "status")
+    assert ran == [] and all(f"{stage}: up to date" in output for stage in STAGES), output
+
+
+# --------------------------------------------------------------------------- make reproduce
+
+
+def _reproduce(repo: Path, from_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "draftline.reproduce", str(from_dir), *extra],
+                          cwd=repo, capture_output=True, text=True)
+
+
+def test_reproduce_refuses_another_lock_or_patch_queue(repo, tmp_path):
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(repo / "runs/tiny", copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    for stage in STAGES:
+        path = copy / stage / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["provenance"]["locks"]["cpu.lock"] = "0" * 64
+        manifest["provenance"]["patches"][1]["sha256"] = "1" * 64
+        path.write_text(json.dumps(manifest))
+    result = _reproduce(repo, copy)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refusing to reproduce: lock cpu.lock: 0000000000000000 ->" in result.stderr
+    assert "speculators patches: 0001@" in result.stderr and "FORCE=1" in result.stderr
+    assert "lock cpu.lock" in result.stdout and "DIFFERS" in result.stdout  # the table
+    assert not (repo / "runs/tiny-reproduce").exists()
+
+
+@pytest.mark.slow
+def test_reproduce_replays_every_stage_to_identical_outputs(repo):
+    start = time.monotonic()
+    result = subprocess.run(["make", "--no-print-directory", "reproduce", f"VENV={sys.prefix}",
+                             "FROM=runs/tiny"], cwd=repo, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    print(output[-3000:], f"\nmake reproduce: {time.monotonic() - start:.0f} s")
+    assert result.returncode == 0, output[-5000:]
+    for stage in STAGES:
+        assert f"\n  {stage} " in output and "differs" not in output.split("verdicts:")[1]
+    assert (repo / "runs/tiny-reproduce/train/manifest.json").exists()
