@@ -17,7 +17,12 @@ LOCK_DATE ?= 2026-11-28#         locks resolve as of this date (reproducible re-
 PYTEST_ARGS ?=#                  extra pytest arguments, e.g. PYTEST_ARGS="-k patchq"
 EXP ?= tiny#                     experiment: conf/experiment/$(EXP).yaml, outputs in runs/$(EXP)/
 OVERRIDES ?=#                    free Hydra overrides, e.g. OVERRIDES="train.lr=1e-3"
+GPUS ?=#                         train: processes per host under torchrun (train.gpus), e.g. GPUS=8
 
+# GPUS joins the overrides, so the train stamp (and Make) see it like any config key.
+ifneq ($(GPUS),)
+override OVERRIDES += train.gpus=$(GPUS)
+endif
 PY := $(VENV)/bin/python
 TOOLS := .tools
 UV := $(shell command -v uv 2>/dev/null || echo $(TOOLS)/bin/uv)
