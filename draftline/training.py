@@ -247,6 +247,7 @@ class Session:
         """Per-rank metric tensors -> their mean over ranks, as floats."""
         names = sorted(metrics)
         stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in names])
+        stacked = stacked.to(self.device)  # NCCL reduces only device tensors
         return dict(zip(names, _mean_over_ranks(stacked, self.world).tolist()))
 
     @torch.no_grad()
