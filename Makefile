@@ -20,7 +20,12 @@ OVERRIDES ?=#                    free Hydra overrides, e.g. OVERRIDES="train.lr=
 STAGE ?=#                        the stage `make accept` keeps, e.g. STAGE=extract
 FROM ?=#                         the run dir `make reproduce` replays, e.g. FROM=runs/tiny-trained
 FORCE ?=#                        1: `make reproduce` runs despite another revision, lock or patch queue
+GPUS ?=#                         train: processes per host under torchrun (train.gpus), e.g. GPUS=8
 
+# GPUS joins the overrides, so the train stamp (and Make) see it like any config key.
+ifneq ($(GPUS),)
+override OVERRIDES += train.gpus=$(GPUS)
+endif
 PY := $(VENV)/bin/python
 TOOLS := .tools
 UV := $(shell command -v uv 2>/dev/null || echo $(TOOLS)/bin/uv)

@@ -25,11 +25,16 @@ Speed (``python -m benchmarks.train`` measures it): ``precision`` (``auto``: bf1
 over float32 master weights on CUDA, float32 on CPU; see ``draftline.train_model.Precision``)
 and the packed, pinned, prefetched loader of ``draftline.train_data.PackedLoader``.
 
-One process, one device.  The pieces several GPUs (torchrun) would change are kept apart:
-the sampler takes rank/world size (``make_sampler``), the model is moved and wrapped in one
-place (``_prepare_model``: DDP or FSDP's ``fully_shard`` would go there; bf16 autocast on
-top of fp32 masters is the single-GPU form of FSDP's mixed-precision policy), and metrics
-are reduced in one place (``Session.step``).
+Several processes (torchrun, ``draftline.launch``): ``world`` says which rank this is.
+``max_tokens_per_step`` stays the global budget: each of N ranks packs ``1/N`` of it with
+speculators' distributed sampler (one global packing, dealt out by rank, the same number of
+batches on every rank), the draft is wrapped in ``DistributedDataParallel`` (gradients
+averaged, so a step sees the same tokens' gradient as one GPU with the whole budget, up to
+the per-rank loss normalisation), metrics are averaged over ranks once per step, and rank 0
+alone writes checkpoints and the draft.  A checkpoint holds no world size, so it resumes on
+another one (the batches from that step on are then the new world size's packing).
+bf16 autocast over float32 masters replicated by DDP fits one H200 even at Kimi-K2.5 draft
+dimensions (about 31 GiB), so no FSDP sharding is needed there.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_linear_schedule_with_warmup
 
 from draftline.artifacts import atomic_dir
+from draftline.launch import World
 from draftline.train_checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
 from draftline.train_data import (
     HIDDEN_KEYS,
@@ -57,7 +63,6 @@ from draftline.train_data import (
     epoch_batches,
     load_split,
     load_vocab_mapping,
-    make_sampler,
     plan_steps,
     steps_in_epochs,
 )
@@ -85,6 +90,22 @@ def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: to
         torch.manual_seed(seed)
         return build_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers,
                            num_speculative_tokens=ttt_steps)
+
+
+def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
+             world: World) -> MultipackDistributedBatchSamplerV2:
+    """speculators' packing sampler; rank r of N gets its part of each global pack."""
+    return MultipackDistributedBatchSamplerV2(
+        batch_max_length=rank_tokens, lengths=list(lengths), num_replicas=world.world_size,
+        rank=world.rank, seed=seed)
+
+
+def _rank_tokens(max_tokens_per_step: int, world: World) -> int:
+    """Each rank's share of the global token budget of a step."""
+    if max_tokens_per_step % world.world_size:
+        raise ValueError(f"max_tokens_per_step={max_tokens_per_step} must divide evenly "
+                         f"among {world.world_size} processes")
+    return max_tokens_per_step // world.world_size
 
 
 def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
@@ -120,9 +141,33 @@ def _forward_mode(model: Eagle3DraftModel, device: str, compile: bool | None,
 
 
 def _prepare_model(model: Eagle3DraftModel, device: str, precision: Precision) -> None:
-    """Move the draft to its device in its storage dtypes (a DDP/FSDP wrap would go here)."""
+    """Move the draft to its device in its storage dtypes."""
     apply_precision(model, precision)
     model.to(device).train()
+
+
+def _wrap(model: Eagle3DraftModel, device: str, world: World) -> torch.nn.Module:
+    """DDP across ranks (it broadcasts rank 0's weights once); the model itself alone.
+
+    No buffer broadcast: d2t/t2d are the same on every rank and never change.  Every
+    trainable parameter gets a gradient each step, so no search for unused ones.
+    """
+    if not world.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def _mean_over_ranks(values: torch.Tensor, world: World) -> torch.Tensor:
+    """Element-wise mean over ranks (one all-reduce); unchanged in a single process."""
+    if world.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= world.world_size
+    return values
 
 
 def _model_inputs(batch: dict, device: str, dtype: torch.dtype) -> dict:
@@ -174,6 +219,7 @@ class Session:
     ttt_steps: int
     decay: float
     precision: Precision
+    world: World = World()
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """speculators' forward with targets: (summed TTT loss, per-step metric tensors)."""
@@ -195,11 +241,22 @@ class Session:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.scheduler.step()
-        return {k: v.item() for k, v in metrics.items()}
+        return self._reduce(metrics)
+
+    def _reduce(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-rank metric tensors -> their mean over ranks, as floats."""
+        names = sorted(metrics)
+        stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in names])
+        stacked = stacked.to(self.device)  # NCCL reduces only device tensors
+        return dict(zip(names, _mean_over_ranks(stacked, self.world).tolist()))
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> dict:
-        """Mean of speculators' metrics over the batches (empty dict if none)."""
+        """Mean of speculators' metrics over the batches (empty dict if none).
+
+        Ranks evaluate their own batches (the sampler gives each the same count), and the
+        per-rank means are averaged.
+        """
         self.model.eval()
         totals: dict[str, float] = {}
         count = 0
@@ -208,19 +265,23 @@ class Session:
                 totals[k] = totals.get(k, 0.0) + v.item()
             count += 1
         self.model.train()
-        return {k: v / count for k, v in totals.items()}
+        if not count:
+            return {}
+        return self._reduce({k: torch.tensor(v / count) for k, v in totals.items()})
 
 
 def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
                  total_steps: int, ttt_steps: int, decay: float = 1.0,
                  precision: str = "auto", compile: bool | None = None,
-                 attention: str = "auto") -> Session:
-    """The draft on ``device`` with its optimizer, schedule, precision and forward mode."""
+                 attention: str = "auto", world: World = World()) -> Session:
+    """The draft on ``device`` with its optimizer, schedule, precision and forward mode
+    (wrapped in DDP when ``world`` has several ranks; ``device`` is this rank's)."""
     numerics = resolve_precision(precision, device)
     _prepare_model(model, device, numerics)
+    mode = _forward_mode(model, device, compile, attention)
     optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
-    return Session(model, optimizer, scheduler, device,
-                   _forward_mode(model, device, compile, attention), ttt_steps, decay, numerics)
+    return Session(_wrap(model, device, world), optimizer, scheduler, device, mode, ttt_steps,
+                   decay, numerics, world)
 
 
 def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
@@ -252,30 +313,39 @@ def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path
           spec: dict, start: int, stop: int, checkpoint_every: int,
           keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], dict]:
     """Run the planned steps; return per-step metrics and the final rates."""
-    total, max_tokens = spec["total_steps"], spec["max_tokens_per_step"]
+    total = spec["total_steps"]
+    max_tokens = _rank_tokens(spec["max_tokens_per_step"], session.world)
     loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
     meter, rates, history = _Meter(start, total), {}, []
     log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
     for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
         lr = session.optimizer.param_groups[0]["lr"]
         history.append(session.step(batch))
-        rates = meter.rates(step, int(batch["lengths"].sum()))
+        # Logged rate: this rank's tokens times the ranks (ranks pack about equal shares).
+        tokens = int(batch["lengths"].sum()) * session.world.world_size
+        rates = meter.rates(step, tokens)
         _log_step(step, total, history[-1], lr, rates, session.ttt_steps)
-        if step % checkpoint_every == 0 or step == stop:
-            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1]}
-            save_checkpoint(out, step, session.model, session.optimizer, session.scheduler,
-                            state, keep_checkpoints)
+        if session.world.is_main and (step % checkpoint_every == 0 or step == stop):
+            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1],
+                     "world_size": session.world.world_size}
+            save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
+                            session.scheduler, state, keep_checkpoints)
     return history, rates
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The draft inside a DDP wrapper (its checkpoint keys carry no ``module.`` prefix)."""
+    return getattr(model, "module", model)
 
 
 def _validate(session: Session, shards: Sequence[str | Path], split_index: str | Path,
               max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
     """speculators' metrics averaged over the validation split ({} when it is empty)."""
     rows = load_split(split_index, "validation")
-    if not len(rows):
+    if len(rows) < session.world.world_size:  # the distributed sampler would deal none
         return {}
     dataset = ShardSampleDataset(shards, rows)
-    batches = epoch_batches(make_sampler(dataset.lengths, max_tokens, seed), 0)
+    batches = epoch_batches(_sampler(dataset.lengths, max_tokens, seed, session.world), 0)
     return session.evaluate(loading.loader(session, dataset, batches, max_tokens))
 
 
@@ -325,7 +395,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
           num_layers: int = 1, loader_threads: int | None = None,
           prefetch_batches: int | None = None, stop_after: int | None = None,
           compile: bool | None = None, attention: str = "auto", precision: str = "auto",
-          save_dtype: str = "bfloat16", check_vllm: bool | None = None) -> dict:
+          save_dtype: str = "bfloat16", check_vllm: bool | None = None,
+          world: World = World()) -> dict:
     """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
 
     ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
@@ -335,7 +406,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
     ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
     (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
-    installed.  Returns
+    installed.  ``world``: this process's rank among torchrun's (the process group is set
+    up by the caller; ``device`` is this rank's); only rank 0 writes.  Returns
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
     ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
@@ -346,7 +418,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
     train_set = ShardSampleDataset(shards, load_split(split_index, "train"))
-    sampler = make_sampler(train_set.lengths, max_tokens_per_step, seed)
+    rank_tokens = _rank_tokens(max_tokens_per_step, world)
+    sampler = _sampler(train_set.lengths, rank_tokens, seed, world)
     total = _total_steps(sampler, steps, epochs)
     warmup = total // 100 if warmup_steps is None else warmup_steps
     spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
@@ -355,18 +428,21 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
                      max_tokens_per_step=max_tokens_per_step, precision=numerics.name)
     session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
                            ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
-                           precision=numerics.name, compile=compile, attention=attention)
+                           precision=numerics.name, compile=compile, attention=attention,
+                           world=world)
     start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
                                     device)
     loading = _LoaderSettings(loader_threads, prefetch_batches)
     stop = total if stop_after is None else max(start, min(total, stop_after))
     history, rates = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
                            start, stop, checkpoint_every, keep_checkpoints, loading)
-    result = {**_summary(history, rates, start, stop, total, last), "precision": numerics.name}
+    result = {**_summary(history, rates, start, stop, total, last), "precision": numerics.name,
+              "world_size": world.world_size}
     if stop < total:
         return result
-    result["validation"] = _validate(session, shards, split_index, max_tokens_per_step, seed,
-                                     loading)
+    result["validation"] = _validate(session, shards, split_index, rank_tokens, seed, loading)
+    if not world.is_main:
+        return result
     result["draft_dir"] = str(_save_draft(model, out, save_dtype))
     result["vllm"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids, d2t.numel())
     return result

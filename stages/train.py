@@ -1,31 +1,47 @@
 """train: an EAGLE-3 draft with speculators' Eagle3DraftModel on the prepared shards.
 
     make train EXP=tiny          # or: python -m stages.train experiment=tiny
+    make train EXP=tiny GPUS=2   # one process per GPU under torchrun (train.gpus=2)
 
 Aux layer ids come from the extract manifest (what the data was made with), never from
 config, so a draft cannot be trained on features from other layers than its config.json
 names. Resumes from the latest complete checkpoint under <run_dir>/train/runs/<key>/, where
-the key hashes the train config and the prepared data.
+the key hashes the train config (without the launch keys: a run resumes on another number
+of GPUs) and the prepared data.
+
+With ``train.gpus > 1`` or ``train.nodes > 1`` this process re-launches the stage under
+torchrun (``draftline.launch``) and exits with its status; rank 0 alone writes the stamp,
+checkpoints, the draft and the manifest, so a run where any rank failed leaves no manifest.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
+from draftline import artifacts, config, launch
 from draftline.stage import run_stage
 
+log = logging.getLogger("draftline.train")
+# Where and how many processes run, not what they compute: left out of the run key.
+LAUNCH_KEYS = ("gpus", "nodes", "rendezvous", "collective_timeout_s")
 
-def pick_device(requested: str) -> str:
+
+def pick_device(requested: str, local_rank: int = 0) -> str:
+    """``cuda:<local rank>`` (or cpu) for this process."""
     import torch
 
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     if not (requested == "cpu" or torch.cuda.is_available()):
         raise ValueError(f"train.device={requested} but no CUDA GPU")
+    if requested == "cuda":
+        return f"cuda:{local_rank}"
     return requested
 
 
@@ -40,32 +56,44 @@ def vocab_path(cfg: DictConfig) -> Path:
     return regenerate_dir / artifacts.read_manifest(regenerate_dir)["vocab"]
 
 
-def run(cfg: DictConfig) -> dict:
+def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
+    """One folder per (config, data): checkpoints resume only into the run that made them,
+    and switching a key back resumes the earlier run instead of discarding it."""
+    train_cfg = config.stage_config(cfg, "train")
+    train_cfg["train"] = {k: v for k, v in train_cfg["train"].items() if k not in LAUNCH_KEYS}
+    return artifacts.config_hash({
+        "train": train_cfg,
+        "prepare": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST),
+    })[:12]
+
+
+def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     from draftline import training
 
     prepare_dir = config.stage_dir(cfg, "prepare")
     prepared = artifacts.read_manifest(prepare_dir)
     extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    # One folder per (config, data): checkpoints resume only into the run that made them,
-    # and switching a key back resumes the earlier run instead of discarding it.
-    run_key = artifacts.config_hash({
-        "train": config.stage_config(cfg, "train"),
-        "prepare": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST),
-    })[:12]
-    out_dir = config.stage_dir(cfg, "train") / "runs" / run_key
-    result = training.train(
-        prepared["shards"], prepare_dir / prepared["index"],
-        vocab_path(cfg),
-        str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
-        steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
-        max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.train.seed),
-        device=pick_device(str(cfg.train.device)), num_layers=int(cfg.train.num_layers),
-        checkpoint_every=int(cfg.train.checkpoint_every),
-        precision=str(cfg.train.get("precision", "auto")),
-        compile=auto_or(cfg.train.get("compile", "auto"), bool),
-        loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
-        prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
-    )
+    out_dir = config.stage_dir(cfg, "train") / "runs" / run_key(cfg, prepare_dir)
+    device = pick_device(str(cfg.train.device), world.local_rank)
+    if world.distributed:
+        launch.init_process_group(device, float(cfg.train.collective_timeout_s))
+    try:
+        result = training.train(
+            prepared["shards"], prepare_dir / prepared["index"],
+            vocab_path(cfg),
+            str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
+            steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
+            max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.train.seed),
+            device=device, num_layers=int(cfg.train.num_layers),
+            checkpoint_every=int(cfg.train.checkpoint_every),
+            precision=str(cfg.train.get("precision", "auto")),
+            compile=auto_or(cfg.train.get("compile", "auto"), bool),
+            loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
+            prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
+            world=world,
+        )
+    finally:
+        launch.destroy_process_group()
     if not result["completed"]:
         raise RuntimeError(f"training stopped at step {result['steps']} of {result['total_steps']}")
     return {
@@ -80,9 +108,29 @@ def run(cfg: DictConfig) -> dict:
     }
 
 
+def run_other_rank(cfg: DictConfig, world: launch.World) -> None:
+    """A rank other than 0: the same work, no stamp or manifest; a failure exits non-zero
+    with its traceback (torchrun then ends the other ranks)."""
+    try:
+        run(cfg, world)
+    except BaseException:
+        log.exception("train rank %d of %d failed", world.rank, world.world_size)
+        sys.exit(1)
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_stage("train", cfg, run)
+    gpus, nodes = int(cfg.train.gpus), int(cfg.train.nodes)
+    if (gpus > 1 or nodes > 1) and not launch.under_torchrun():
+        overrides = list(HydraConfig.get().overrides.task)
+        sys.exit(launch.relaunch("stages.train", overrides, gpus, nodes,
+                                 cfg.train.rendezvous, run_id=f"draftline-{cfg.exp}"))
+    world = launch.world()
+    launch.quiet_other_ranks(world)
+    if world.is_main:
+        run_stage("train", cfg, lambda c: run(c, world))
+    else:
+        run_other_rank(cfg, world)
 
 
 if __name__ == "__main__":
