@@ -139,6 +139,13 @@ def test_killed_extract_resumes_to_identical_shards(repo):
 EVALUATE = "evaluate.vllm.max_replies=2 evaluate.vllm_check=false evaluate.bootstrap=200"
 
 
+def evaluate_with_gate(repo: Path, gate: Path) -> subprocess.CompletedProcess:
+    """The evaluate stage run directly (no vLLM decoding) against this gate file."""
+    return subprocess.run([sys.executable, "-m", "stages.evaluate", "experiment=tiny", *BASE.split(),
+                           *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
+                          cwd=repo, capture_output=True, text=True)
+
+
 def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
     _, output = make(repo, "evaluate", extra=EVALUATE)
     assert "-m stages.evaluate " in output
@@ -163,17 +170,13 @@ def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
     # A floor above anything reachable: the stage exits non-zero, keeps results.json, no manifest.
     gate = tmp_path / "gate.json"
     gate.write_text(json.dumps({"tiny": {"k": k, "tau_min": k + 1.5}}))
-    result = subprocess.run([sys.executable, "-m", "stages.evaluate", "experiment=tiny", *BASE.split(),
-                             *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
-                            cwd=repo, capture_output=True, text=True)
+    result = evaluate_with_gate(repo, gate)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "below the floor" in output and "Traceback" in output
     assert not (repo / "runs/tiny/evaluate/manifest.json").exists()
     assert (repo / "runs/tiny/evaluate/results.json").exists()
     gate.write_text(json.dumps({"tiny": {"k": k + 1, "tau_min": 1.0}}))
-    result = subprocess.run([sys.executable, "-m", "stages.evaluate", "experiment=tiny", *BASE.split(),
-                             *EVALUATE.split(), "evaluate.vllm.enabled=false", f"evaluate.gate={gate}"],
-                            cwd=repo, capture_output=True, text=True)
+    result = evaluate_with_gate(repo, gate)
     assert result.returncode != 0 and f"floor was set for k={k + 1}" in result.stdout + result.stderr
 
 
