@@ -21,6 +21,7 @@ STAGE ?=#                        the stage `make accept` keeps, e.g. STAGE=extra
 FROM ?=#                         the run dir `make reproduce` replays, e.g. FROM=runs/tiny-trained
 FORCE ?=#                        1: `make reproduce` runs despite another revision, lock or patch queue
 GPUS ?=#                         train: processes per host under torchrun (train.gpus), e.g. GPUS=8
+SHARD ?=#                        extract: this host's slice i/N of the shards, no manifest, e.g. SHARD=0/4
 
 # GPUS joins the overrides, so the train stamp (and Make) see it like any config key.
 ifneq ($(GPUS),)
@@ -111,6 +112,15 @@ $(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json $(call stamps,reg
 	$(PY) -m stages.regenerate $(STAGE_ARGS)
 $(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(call stamps,extract)
 	$(PY) -m stages.extract $(STAGE_ARGS)
+# One host's slice of a multi-host extraction (deploy/slurm, deploy/k8s): the shards with
+# index % N == i, into the shared run dir, and no manifest. A plain `make extract` (so also
+# `make prepare`) then finalizes: the manifest once every shard is complete, else the missing
+# shards and the commands that fill them. Make the upstream stages once before the slices
+# start (`make regenerate`), or every host would remake them at the same time.
+.PHONY: extract-slice
+extract-slice: $(RUN)/regenerate/manifest.json
+	@[ -n "$(SHARD)" ] || { echo "usage: make extract SHARD=i/N [EXP=...]" >&2; exit 2; }
+	$(PY) -m stages.extract $(STAGE_ARGS) extract.shard=$(SHARD)
 $(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(call stamps,prepare)
 	$(PY) -m stages.prepare $(STAGE_ARGS)
 $(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(call stamps,train)
@@ -123,7 +133,7 @@ $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(call stamps,report)
 .PHONY: tokenize regenerate extract prepare train all
 tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
 regenerate: $(RUN)/regenerate/manifest.json ## Optionally the target's own greedy replies (vLLM), then d2t/t2d
-extract: $(RUN)/extract/manifest.json ## Target hidden states via vLLM into safetensors shards
+extract: $(if $(SHARD),extract-slice,$(RUN)/extract/manifest.json) ## Target hidden states via vLLM into safetensors shards (SHARD=i/N: one host's slice)
 prepare: $(RUN)/prepare/manifest.json ## Train/validation split and the trainer's index
 train: $(RUN)/train/manifest.json ## Train the EAGLE-3 draft with speculators
 all: train ## Every stage, rerunning only stale ones

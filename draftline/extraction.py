@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -159,13 +161,14 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 class Progress:
-    """Tokens/s and ETA over the tokens this run processes (resumed shards excluded)."""
+    """Tokens/s and ETA over the tokens this run processes (resumed shards excluded); a
+    replica child is ``quiet`` (its parent shows one bar for all replicas)."""
 
-    def __init__(self, total_tokens: int, done_tokens: int):
+    def __init__(self, total_tokens: int, done_tokens: int, quiet: bool = False):
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
-                        desc="extract", smoothing=0.1, mininterval=2.0)
+                        desc="extract", smoothing=0.1, mininterval=2.0, disable=quiet)
         self.start = time.monotonic()
         self.tokens = 0
 
@@ -225,3 +228,88 @@ def shard_records(plans: list[ShardPlan], out_dir: Path) -> list[dict]:
             **timing,
         })
     return records
+
+
+# --------------------------------------------------------------------------- scaling out
+# Replicas (several engines on one host) and slices (one `make extract SHARD=i/N` per host)
+# both take every N-th shard of the same plan: which process makes a shard changes nothing
+# in it, so the shards are those a single engine writes.
+
+LISTED = 50  # missing shards named one per line in the finalize error
+SLICES_RECORD = ".slices.json"  # dot-named: launch bookkeeping, not an output (make reproduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Part ``index`` of ``count``: every ``count``-th item of a list, from position ``index``."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> "Part":
+        """``"i/N"`` with 0 <= i < N; ``what`` names the setting in the error."""
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+        if match is None or not int(match[1]) < int(match[2]):
+            raise ValueError(f"{what}={text!r}: expected i/N with 0 <= i < N, e.g. 0/4")
+        return cls(int(match[1]), int(match[2]))
+
+    def take(self, items: list) -> list:
+        """Over a whole shard plan (position = shard index): the shards with index % N == i."""
+        return items[self.index::self.count]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def write_slices_record(out_dir: Path, count: int) -> None:
+    """Mark the run dir as extracted in ``count`` slices: a plain run then only finalizes."""
+    write_json(out_dir / SLICES_RECORD, {"num_slices": count})
+
+
+def read_slices_record(out_dir: Path) -> int | None:
+    """The slice count a `make extract SHARD=i/N` recorded, or None for a one-host run."""
+    path = out_dir / SLICES_RECORD
+    return int(read_json(path)["num_slices"]) if path.exists() else None
+
+
+def incomplete_shards(plans: list[ShardPlan], out_dir: Path, fingerprint: str) -> list[ShardPlan]:
+    """Planned shards that are missing, or were made from other inputs or config."""
+    return [plan for plan in plans if not shard_is_complete(out_dir / plan.name, plan, fingerprint)]
+
+
+def fill_commands(slices: list[int], count: int, overrides: list[str]) -> list[str]:
+    """The commands that extract these slices with the config of this run.
+
+    ``overrides`` are the stage's own (Hydra's task overrides); `make` sets
+    ``experiment=$(EXP)`` and passes OVERRIDES after it, so with an experiment the Make form
+    is exact. Without one the stage ran outside Make: the python form is given instead.
+    """
+    exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
+    rest = [o for o in overrides if not o.startswith(("experiment=", "extract.shard="))]
+    commands = []
+    for index in slices:
+        if exp is None:
+            words = ["python", "-m", "stages.extract", *rest, f"extract.shard={index}/{count}"]
+            commands.append(" ".join(shlex.quote(w) for w in words))
+        else:
+            extra = f" OVERRIDES={shlex.quote(' '.join(rest))}" if rest else ""
+            commands.append(f"make extract EXP={shlex.quote(exp)} SHARD={index}/{count}{extra}")
+    return commands
+
+
+def finalize_error(missing: list[ShardPlan], num_planned: int, count: int, out_dir: Path,
+                   overrides: list[str]) -> str:
+    """What a finalize that cannot write the manifest tells the user: the shards and the
+    commands that fill them."""
+    slices = sorted({plan.index % count for plan in missing})
+    lines = [f"{out_dir} is extracted in {count} slices ({out_dir / SLICES_RECORD}) and "
+             f"{len(missing)} of {num_planned} planned shards are missing or were made from "
+             "other inputs or config:"]
+    lines += [f"  {plan.name} (slice {plan.index % count}/{count})" for plan in missing[:LISTED]]
+    if len(missing) > LISTED:
+        lines.append(f"  ... and {len(missing) - LISTED} more")
+    lines += ["Fill them (each command resumes its slice), then run `make extract` again:"]
+    lines += [f"  {command}" for command in fill_commands(slices, count, overrides)]
+    lines += [f"(To extract them all on this host instead, delete {out_dir / SLICES_RECORD}.)"]
+    return "\n".join(lines)

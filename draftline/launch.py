@@ -1,4 +1,4 @@
-"""Several processes for one stage: torchrun for training, one process group per run.
+"""Several processes for one stage: torchrun for training, replica children for extraction.
 
     make train GPUS=2                      # -> torchrun --standalone --nproc-per-node 2 -m stages.train ...
     python -m stages.train train.gpus=2    # the same: the stage re-launches itself under torchrun
@@ -10,17 +10,26 @@ all of them when one fails; each process prints its own traceback, which ``--tee
 the terminal prefixed with its local rank (``[default1]:``).  Nothing here schedules hosts:
 across hosts, Slurm or Kubernetes starts one ``make train`` per host and torchrun's c10d
 rendezvous (``train.rendezvous=HOST:PORT``) joins them.
+
+Extraction replicas (``extract.replicas=N``) are plain child processes of the stage, one vLLM
+engine each on its own devices (``split_devices``, ``split_cores``); ``supervise`` forwards
+their output prefixed ``[replica r]``, and when one fails it ends the others and raises with
+that child's traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import collections
 import logging
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +120,121 @@ def quiet_other_ranks(current: World) -> None:
     """Progress from rank 0 only; other ranks still log warnings and their tracebacks."""
     if not current.is_main:
         logging.getLogger("draftline").setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------- replicas
+
+TAIL_LINES = 400  # output lines kept per child for the message that reports its failure
+
+
+def split_devices(visible: Sequence[str], replicas: int, per_replica: int) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` per replica: disjoint runs of ``per_replica`` visible GPUs."""
+    need = replicas * per_replica
+    if replicas < 1 or per_replica < 1 or need > len(visible):
+        raise ValueError(f"{replicas} replicas x {per_replica} GPUs need {need} GPUs; "
+                         f"{len(visible)} visible ({','.join(visible) or 'none'})")
+    return [",".join(visible[r * per_replica:(r + 1) * per_replica]) for r in range(replicas)]
+
+
+def split_cores(cores: Sequence[int], replicas: int, ranks: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per replica on the CPU platform: the usable cores split
+    evenly over replicas x TP ranks, one replica's ranks joined by ``|`` (vLLM's format)."""
+    per_rank = len(cores) // max(replicas * ranks, 1)
+    if replicas < 1 or ranks < 1 or per_rank < 1:
+        raise ValueError(f"{replicas} replicas x TP {ranks} need {replicas * ranks} CPU cores; "
+                         f"{len(cores)} usable")
+    binds = []
+    for replica in range(replicas):
+        groups = []
+        for rank in range(ranks):
+            start = (replica * ranks + rank) * per_rank
+            groups.append(",".join(str(core) for core in cores[start:start + per_rank]))
+        binds.append("|".join(groups))
+    return binds
+
+
+class ChildFailed(RuntimeError):
+    """A supervised child exited non-zero; the message carries its traceback (or last lines)."""
+
+
+def _failure_text(lines: Sequence[str]) -> str:
+    """From the last traceback in a child's output (with the log line before it) to the end;
+    the last 40 lines where there is none (a child killed by a signal prints nothing)."""
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    first = max(starts[-1] - 1, 0) if starts else max(len(lines) - 40, 0)
+    return "".join(lines[first:])
+
+
+def _exit_text(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+
+
+def _forward(name: str, stream, tail: collections.deque) -> None:
+    for line in stream:
+        tail.append(line)
+        sys.stderr.write(f"[{name}] {line}")
+    sys.stderr.flush()
+
+
+def _end(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the child's process group (its engine's workers too), SIGKILL after grace_s."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def supervise(command: Sequence[str], envs: Mapping[str, Mapping[str, str]],
+              poll: Callable[[], None] = lambda: None, poll_s: float = 2.0) -> None:
+    """Run ``command`` once per name in ``envs`` (that child's extra environment) and wait.
+
+    Each child leads its own process group, so ending it ends whatever it started (vLLM's
+    workers). Output is forwarded prefixed ``[name]``; ``poll`` runs every ``poll_s`` seconds
+    (progress). When a child fails the others are ended and ``ChildFailed`` carries its
+    traceback; an exception or SIGTERM in this process ends every child too.
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    children: dict[str, tuple[subprocess.Popen, collections.deque, threading.Thread]] = {}
+    try:
+        for name, env in envs.items():
+            process = subprocess.Popen(list(command), env={**os.environ, **env}, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True, errors="replace")
+            tail = collections.deque(maxlen=TAIL_LINES)
+            reader = threading.Thread(target=_forward, args=(name, process.stdout, tail), daemon=True)
+            reader.start()
+            children[name] = (process, tail, reader)
+        while True:
+            codes = {name: child[0].poll() for name, child in children.items()}
+            failed = [name for name, code in codes.items() if code not in (None, 0)]
+            if failed:
+                name = failed[0]
+                process, tail, reader = children[name]
+                reader.join(timeout=10)
+                env = " ".join(f"{k}={v}" for k, v in envs[name].items())
+                raise ChildFailed(f"{name} ({env}) {_exit_text(process.returncode)}; its output "
+                                  f"ends:\n{_failure_text(list(tail))}")
+            poll()
+            if all(code == 0 for code in codes.values()):
+                return
+            time.sleep(poll_s)
+    finally:
+        for process, _, reader in children.values():
+            _end(process)
+            reader.join(timeout=10)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -51,3 +51,17 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -
                                     extra_provenance={"exp": str(cfg.exp), "numerics": numerics.describe(applied),
                                                       "deps": recorded})
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
+
+
+def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None]) -> None:
+    """Part of a stage's work in its own process (an extract slice or replica): the same
+    numerics and failure handling as ``run_stage``, but no stamp and no manifest: the
+    process that writes the manifest checks what the parts left on disk."""
+    start = time.monotonic()
+    try:
+        numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
+        work(cfg)
+    except BaseException:
+        log.exception("%s failed after %.1f s", what, time.monotonic() - start)
+        sys.exit(1)
+    log.info("%s done in %.1f s", what, time.monotonic() - start)

@@ -1,29 +1,51 @@
 """extract: target hidden states for every sample (regenerate's output), through vLLM (prefill only).
 
     make extract EXP=tiny          # or: python -m stages.extract experiment=tiny
+    make extract EXP=tiny OVERRIDES=extract.replicas=2   # two engines on this host
+    make extract EXP=tiny SHARD=1/3   # one host's slice; then a plain `make extract` finalizes
 
 Validates everything it can (paths, layer ids, lengths, TP size, disk space) before the
 model load; writes resumable safetensors shards under <run_dir>/extract/.
+
+Scaling out: every process plans the same shards, and which process makes a shard changes
+nothing in it, so replicas and slices leave exactly the shards one engine writes.
+- ``extract.replicas=N``: this process starts N children (this stage again, with
+  DRAFTLINE_EXTRACT_REPLICA=r/N), one engine each on devices of its own (CUDA_VISIBLE_DEVICES,
+  or a share of the CPU cores); replica r makes shards r, r+N, ...  The parent shows their
+  progress, ends them all when one fails (raising with that one's traceback), and writes the
+  manifest.
+- ``extract.shard=i/N`` (`make extract SHARD=i/N`, one per host on shared storage): the shards
+  with index % N == i, no manifest; N is recorded in extract/.slices.json. A plain run in a
+  sliced run dir only finalizes: it writes the manifest when every planned shard is complete,
+  else fails naming the missing shards and the commands that fill them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, extraction, remote_code
+from draftline import artifacts, config, extraction, launch, remote_code
 from draftline.samples import read_samples
-from draftline.stage import run_stage
+from draftline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
+REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by its parent
+# Where and by how many processes the shards are made, not what is in them: kept out of the
+# shard fingerprint, so replicas and slices write (and reuse) the shards one engine would.
+LAUNCH_KEYS = ("replicas", "shard")
 
 
-def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
-    """Every check that can fail before a (possibly 25-minute) model load."""
+def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> extraction.TargetShape:
+    """Every check that can fail before a (possibly 25-minute) model load. ``replicas``: the
+    engines this process may start, whose devices are checked (None: it starts none)."""
     remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code))
     shape = extraction.read_target_shape(cfg.model.path)
     extraction.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
@@ -33,20 +55,40 @@ def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
     if max(lengths) >= cfg.extract.max_model_len:
         raise ValueError(f"longest sample has {max(lengths)} tokens; extract.max_model_len="
             f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")
-    check_devices(int(cfg.model.tensor_parallel_size))
+    if replicas is not None:
+        check_devices(int(cfg.model.tensor_parallel_size), replicas)
     return shape
 
 
-def check_devices(tensor_parallel_size: int) -> None:
+def check_devices(tensor_parallel_size: int, replicas: int = 1) -> None:
+    import torch
+
+    if replicas < 1:
+        raise ValueError(f"extract.replicas={replicas}: need at least one engine")
+    what = "" if replicas == 1 else f"{replicas} replicas x "
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if replicas * tensor_parallel_size > count:
+            raise ValueError(f"{what}tensor_parallel_size={tensor_parallel_size} > {count} GPUs")
+    else:
+        if replicas * tensor_parallel_size > os.cpu_count():
+            raise ValueError(f"{what}TP {tensor_parallel_size} > CPU cores")
+
+
+def replica_environments(replicas: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+    """Each replica's devices, decided here at the stage boundary: disjoint visible GPUs, or on
+    the CPU platform an even share of this process's cores (vLLM's OpenMP binding)."""
     import torch
 
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if tensor_parallel_size > count:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} > {count} GPUs")
-    else:
-        if tensor_parallel_size > os.cpu_count():
-            raise ValueError(f"TP {tensor_parallel_size} > CPU cores")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        ids = ([d.strip() for d in visible.split(",")] if visible
+               else [str(i) for i in range(torch.cuda.device_count())])
+        return [{"CUDA_VISIBLE_DEVICES": d}
+                for d in launch.split_devices(ids, replicas, tensor_parallel_size)]
+    cores = sorted(os.sched_getaffinity(0))
+    return [{"VLLM_CPU_OMP_THREADS_BIND": b}
+            for b in launch.split_cores(cores, replicas, tensor_parallel_size)]
 
 
 def platform_environment(cfg: DictConfig) -> None:
@@ -79,8 +121,12 @@ def shard_fingerprint(cfg: DictConfig, regenerate_manifest: dict, samples_path: 
     return artifacts.config_hash({
         "regenerate": regenerate_manifest["provenance"]["config_sha256"],
         "samples": artifacts.sha256_file(samples_path),
-        "extract": config.stage_config(cfg, "extract"),
+        "extract": without_launch_keys(config.stage_config(cfg, "extract")),
     })
+
+
+def without_launch_keys(resolved: dict) -> dict:
+    return {**resolved, "extract": {k: v for k, v in resolved["extract"].items() if k not in LAUNCH_KEYS}}
 
 
 def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
@@ -88,72 +134,195 @@ def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
     planned = {plan.name for plan in plans}
     for path in out_dir.glob("shard-*.safetensors"):
         if path.name not in planned:
-            path.unlink()
+            path.unlink(missing_ok=True)  # slices on other hosts remove them too
             extraction.timing_path(path).unlink(missing_ok=True)
 
 
-def run(cfg: DictConfig) -> dict:
-    out_dir = config.stage_dir(cfg, "extract")
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What every extract process reads and plans before any engine starts."""
+
+    out_dir: Path
+    regenerate_dir: Path
+    samples: list[list[int]]
+    masks: list[list[int]]
+    shape: extraction.TargetShape
+    plans: list[extraction.ShardPlan]
+    fingerprint: str
+
+
+def read_inputs(cfg: DictConfig, replicas: int | None = 1) -> Inputs:
     regenerate_dir = config.stage_dir(cfg, "regenerate")
     regenerate_manifest = artifacts.read_manifest(regenerate_dir)
     samples_path = regenerate_dir / regenerate_manifest["samples"]
     samples, masks = read_samples(samples_path)
     lengths = [len(s) for s in samples]
-    shape = preflight(cfg, lengths)
+    shape = preflight(cfg, lengths, replicas)
+    return Inputs(config.stage_dir(cfg, "extract"), regenerate_dir, samples, masks, shape,
+                  extraction.plan_shards(lengths, int(cfg.extract.shard_tokens)),
+                  shard_fingerprint(cfg, regenerate_manifest, samples_path))
 
-    plans = extraction.plan_shards(lengths, int(cfg.extract.shard_tokens))
-    remove_unplanned(out_dir, plans)
-    fingerprint = shard_fingerprint(cfg, regenerate_manifest, samples_path)
-    pending = [p for p in plans if not extraction.shard_is_complete(out_dir / p.name, p, fingerprint)]
-    num_slots = len(cfg.model.aux_layer_ids) + 1
-    per_token = extraction.bytes_per_token(num_slots, shape.hidden_size, cfg.extract.save_dtype)
-    remaining = sum(p.num_tokens for p in pending)
-    estimate = extraction.check_disk(out_dir, remaining, per_token, float(cfg.extract.disk_headroom))
-    log.info("%d shards planned, %d to extract (%d tokens, about %.1f MiB)",
-             len(plans), len(pending), remaining, estimate / 2**20)
 
-    metadata = {
-        "fingerprint": fingerprint,
+def shard_metadata(cfg: DictConfig, inputs: Inputs) -> dict[str, str]:
+    return {
+        "fingerprint": inputs.fingerprint,
         "aux_layer_ids": str(list(cfg.model.aux_layer_ids)),
         "slots": "aux layer inputs in aux_layer_ids order, then final post-norm state",
-        "hidden_size": str(shape.hidden_size),
+        "hidden_size": str(inputs.shape.hidden_size),
     }
-    tokens_per_second = 0.0
-    if pending:
-        platform_environment(cfg)
-        generator = make_generator(cfg)
-        progress = extraction.Progress(sum(lengths), sum(lengths) - remaining)
-        try:
-            extraction.extract_shards(generator, plans, samples, masks, out_dir,
-                                      int(cfg.extract.token_budget), cfg.extract.save_dtype,
-                                      metadata, progress)
-        finally:
-            progress.close()
-            generator.shutdown()
-        tokens_per_second = progress.tokens_per_second()
 
+
+def extract(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
+            overrides: list[str]) -> tuple[list[extraction.ShardPlan], float]:
+    """Make the shards of ``plans`` that are not complete, with one engine in this process
+    or ``extract.replicas`` children; return those that were pending and the tokens/s."""
+    pending = extraction.incomplete_shards(plans, inputs.out_dir, inputs.fingerprint)
+    num_slots = len(cfg.model.aux_layer_ids) + 1
+    per_token = extraction.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
+    remaining = sum(p.num_tokens for p in pending)
+    estimate = extraction.check_disk(inputs.out_dir, remaining, per_token, float(cfg.extract.disk_headroom))
+    log.info("%d shards planned here, %d to extract (%d tokens, about %.1f MiB)",
+             len(plans), len(pending), remaining, estimate / 2**20)
+    if not pending:
+        return pending, 0.0
+    total = sum(p.num_tokens for p in plans)
+    progress = extraction.Progress(total, total - remaining)
+    try:
+        if int(cfg.extract.replicas) > 1:
+            extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
+        else:
+            extract_here(cfg, inputs, plans, progress)
+    finally:
+        progress.close()
+    return pending, progress.tokens_per_second()
+
+
+def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
+                 progress: extraction.Progress) -> None:
+    """One engine in this process over ``plans`` (complete shards are skipped)."""
+    platform_environment(cfg)
+    generator = make_generator(cfg)
+    try:
+        extraction.extract_shards(generator, plans, inputs.samples, inputs.masks, inputs.out_dir,
+                                  int(cfg.extract.token_budget), cfg.extract.save_dtype,
+                                  shard_metadata(cfg, inputs), progress)
+    finally:
+        generator.shutdown()
+
+
+def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
+                        pending: list[extraction.ShardPlan], overrides: list[str],
+                        progress: extraction.Progress) -> None:
+    """``extract.replicas`` children of this stage, replica r on plans[r::N]; only those with
+    pending shards start. Progress counts the shards that appear complete on disk."""
+    replicas = int(cfg.extract.replicas)
+    environments = replica_environments(replicas, int(cfg.model.tensor_parallel_size))
+    waiting = {plan.index: plan for plan in pending}
+    children = {}
+    for replica, environment in enumerate(environments):
+        if any(plan.index in waiting for plan in plans[replica::replicas]):
+            children[f"replica {replica}"] = {**environment, REPLICA_ENV: f"{replica}/{replicas}"}
+    log.info("starting %d of %d replicas: %s", len(children), replicas,
+             "; ".join(f"{name}: {env}" for name, env in children.items()))
+
+    def poll() -> None:
+        for index, plan in list(waiting.items()):
+            if extraction.shard_is_complete(inputs.out_dir / plan.name, plan, inputs.fingerprint):
+                progress.update(plan.num_tokens)
+                del waiting[index]
+
+    launch.supervise([sys.executable, "-m", "stages.extract", *overrides], children, poll)
+
+
+def host_plans(cfg: DictConfig, plans: list[extraction.ShardPlan]) -> list[extraction.ShardPlan]:
+    """This host's shards: all of them, or its slice under ``extract.shard=i/N``."""
+    if cfg.extract.shard is None:
+        return plans
+    return extraction.Part.parse(cfg.extract.shard, "extract.shard").take(plans)
+
+
+def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    """The stage: extract what is pending (or, in a sliced run dir, only check the slices'
+    shards), then the manifest's fields."""
+    out_dir = config.stage_dir(cfg, "extract")
+    num_slices = extraction.read_slices_record(out_dir)
+    inputs = read_inputs(cfg, None if num_slices else int(cfg.extract.replicas))
+    plans = inputs.plans
+    remove_unplanned(out_dir, plans)
+    if num_slices is None:
+        pending, tokens_per_second = extract(cfg, inputs, plans, list(overrides))
+    else:
+        missing = extraction.incomplete_shards(plans, out_dir, inputs.fingerprint)
+        if missing:
+            raise RuntimeError(extraction.finalize_error(missing, len(plans), num_slices, out_dir,
+                                                         list(overrides)))
+        log.info("finalize: all %d shards of %d slices are complete", len(plans), num_slices)
+        pending, tokens_per_second = [], 0.0
+
+    lengths = [len(s) for s in inputs.samples]
     records = extraction.shard_records(plans, out_dir)
     total_bytes = sum(r["bytes"] for r in records)
+    num_slots = len(cfg.model.aux_layer_ids) + 1
+    per_token = extraction.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
     return {
         "shards": records,
-        "num_samples": len(samples),
+        "num_samples": len(inputs.samples),
         "num_tokens": sum(lengths),
         "resumed_shards": len(plans) - len(pending),
         "aux_layer_ids": list(cfg.model.aux_layer_ids),
         "num_slots": num_slots,
-        "hidden_size": shape.hidden_size,
-        "target_architecture": shape.architecture,
+        "hidden_size": inputs.shape.hidden_size,
+        "target_architecture": inputs.shape.architecture,
         "target": str(cfg.model.path),
         "bytes_per_token": {"on_disk": total_bytes / max(sum(lengths), 1), "raw_minimum": per_token},
         "tokens_per_second": tokens_per_second,
-        "inputs": {"regenerate_manifest_sha256": artifacts.sha256_file(regenerate_dir / artifacts.MANIFEST)},
+        "inputs": {"regenerate_manifest_sha256": artifacts.sha256_file(inputs.regenerate_dir / artifacts.MANIFEST)},
         "skipped": [],
     }
 
 
+def run_slice(cfg: DictConfig, overrides: list[str]) -> None:
+    """`make extract SHARD=i/N`: this host's slice into the shared run dir, no manifest."""
+    part = extraction.Part.parse(cfg.extract.shard, "extract.shard")
+    inputs = read_inputs(cfg, int(cfg.extract.replicas))
+    remove_unplanned(inputs.out_dir, inputs.plans)
+    extraction.write_slices_record(inputs.out_dir, part.count)
+    mine = part.take(inputs.plans)
+    if extraction.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint):
+        # A manifest of an earlier run must not outlive shards being replaced under it.
+        (inputs.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)
+    pending, _ = extract(cfg, inputs, mine, overrides)
+    log.info("slice %s: %d shards, %d made now, %d already complete; once every slice is done, "
+             "`make extract` checks them all and writes the manifest", part, len(mine),
+             len(pending), len(mine) - len(pending))
+
+
+def run_replica(cfg: DictConfig, replica: extraction.Part) -> None:
+    """A replica child: its share of this host's shards with one engine, quietly (the parent
+    shows progress and writes the manifest)."""
+    inputs = read_inputs(cfg)
+    mine = replica.take(host_plans(cfg, inputs.plans))
+    pending = extraction.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint)
+    log.info("replica %s: %d shards, %d to extract", replica, len(mine), len(pending))
+    if pending:
+        progress = extraction.Progress(0, 0, quiet=True)
+        try:
+            extract_here(cfg, inputs, mine, progress)
+        finally:
+            progress.close()
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_stage("extract", cfg, run)
+    overrides = list(HydraConfig.get().overrides.task)
+    replica = os.environ.get(REPLICA_ENV)
+    if replica:
+        part = extraction.Part.parse(replica, REPLICA_ENV)
+        run_part(f"extract replica {part}", cfg, lambda c: run_replica(c, part))
+    elif cfg.extract.shard is not None:
+        run_part(f"extract slice {cfg.extract.shard}", cfg, lambda c: run_slice(c, overrides))
+    else:
+        run_stage("extract", cfg, lambda c: run(c, overrides))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from draftline import artifacts, config, extraction, tiny
+from draftline.samples import write_samples
 from stages import extract as extract_stage
 
 
@@ -181,3 +182,96 @@ def test_other_samples_or_replies_invalidate_the_shards(model_dir, tmp_path):
     assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "s"}}, samples) != base
     samples.write_bytes(b"samplez")
     assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "r"}}, samples) != base
+
+
+# --------------------------------------------------------------------------- replicas and slices
+
+
+def test_parts_take_every_nth_shard_and_together_cover_the_plan_once():
+    plans = extraction.plan_shards([3] * 10, shard_tokens=3)
+    parts = [extraction.Part.parse(f"{i}/3", "extract.shard") for i in range(3)]
+    taken = [[p.index for p in part.take(plans)] for part in parts]
+    assert taken == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert str(parts[1]) == "1/3"
+    assert extraction.Part.parse(" 2 / 5 ", "x") == extraction.Part(2, 5)
+    # A replica of a slice takes every N-th shard of the slice: slice 1/2, replica 1/2.
+    inner = extraction.Part(1, 2).take(extraction.Part(1, 2).take(plans))
+    assert [p.index for p in inner] == [3, 7]
+
+
+@pytest.mark.parametrize("text", ["3/3", "1", "-1/3", "1/0", "a/b", "0/3/1", ""])
+def test_a_part_outside_zero_to_n_is_refused(text):
+    with pytest.raises(ValueError, match=re.escape(f"extract.shard={text!r}: expected i/N")):
+        extraction.Part.parse(text, "extract.shard")
+
+
+@pytest.mark.parametrize("launch_key", ["extract.replicas=4", "extract.shard=1/3"])
+def test_replicas_and_slices_leave_the_fingerprint_alone(model_dir, tmp_path, launch_key):
+    """Which process makes a shard is not part of what the shard is made from."""
+    samples = tmp_path / "samples.safetensors"
+    samples.write_bytes(b"samples")
+    manifest = {"provenance": {"config_sha256": "r" * 64}}
+    run = f"run_dir={tmp_path}"
+    one = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
+    assert extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, launch_key), manifest, samples) == one
+
+
+def test_replicas_get_disjoint_gpus_or_cpu_cores():
+    from draftline import launch
+
+    assert launch.split_devices([str(i) for i in range(8)], 4, 2) == ["0,1", "2,3", "4,5", "6,7"]
+    assert launch.split_devices(["3", "5", "7"], 3, 1) == ["3", "5", "7"]
+    with pytest.raises(ValueError, match=r"3 replicas x 2 GPUs need 6 GPUs; 4 visible \(0,1,2,3\)"):
+        launch.split_devices(["0", "1", "2", "3"], 3, 2)
+    assert launch.split_cores([0, 1], 2, 1) == ["0", "1"]
+    assert launch.split_cores(list(range(9)), 2, 2) == ["0,1|2,3", "4,5|6,7"]
+    with pytest.raises(ValueError, match="3 replicas x TP 1 need 3 CPU cores; 2 usable"):
+        launch.split_cores([0, 1], 3, 1)
+
+
+def sliced_run(tmp_path: Path, model_dir: Path, lengths: list[int]):
+    """A run dir as regenerate leaves it (samples, manifest) and the composed config."""
+    regenerate_dir = tmp_path / "run" / "regenerate"
+    ids = [[7 + (i + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
+    write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
+    artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
+    cfg = tiny_cfg(model_dir, f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10")
+    manifest = artifacts.read_manifest(regenerate_dir)
+    fingerprint = extract_stage.shard_fingerprint(cfg, manifest, regenerate_dir / "samples.safetensors")
+    return cfg, extraction.plan_shards(lengths, 10), fingerprint
+
+
+def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_manifest(model_dir, tmp_path):
+    """A plain run in a sliced run dir never starts an engine: with shards of slice 1/3
+    missing (one absent, one made from another config) it fails naming them and the make
+    command; once they are there it returns the manifest's fields, shard for shard."""
+    cfg, plans, fingerprint = sliced_run(tmp_path, model_dir, [10] * 7)
+    out_dir = tmp_path / "run" / "extract"
+    extraction.write_slices_record(out_dir, 3)
+    for plan in plans:
+        if plan.index != 1:
+            write_planned_shard(out_dir / plan.name, plan, fingerprint if plan.index != 4 else "old")
+    overrides = ["experiment=tiny", f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10"]
+    with pytest.raises(RuntimeError) as failure:
+        extract_stage.run(cfg, overrides)
+    message = str(failure.value)
+    assert "2 of 7 planned shards are missing" in message, message
+    assert "shard-00001.safetensors (slice 1/3)" in message and "shard-00004.safetensors (slice 1/3)" in message
+    assert "shard-00002" not in message
+    assert f"make extract EXP=tiny SHARD=1/3 OVERRIDES='run_dir={tmp_path / 'run'} extract.shard_tokens=10'" in message
+    assert "SHARD=0/3" not in message and "SHARD=2/3" not in message
+    assert not (out_dir / "manifest.json").exists()
+
+    for index in (1, 4):
+        write_planned_shard(out_dir / plans[index].name, plans[index], fingerprint)
+    fields = extract_stage.run(cfg, overrides)
+    assert [r["file"] for r in fields["shards"]] == [p.name for p in plans]
+    assert fields["resumed_shards"] == 7 and fields["num_tokens"] == 70
+    assert fields["shards"][4]["sha256"] == artifacts.sha256_file(out_dir / plans[4].name)
+
+
+def test_fill_commands_without_an_experiment_are_the_python_form():
+    assert extraction.fill_commands([0, 2], 4, ["run_dir=/x y", "extract.shard=9/9"]) == [
+        "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
+        "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
+    assert extraction.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
