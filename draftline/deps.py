@@ -159,6 +159,17 @@ def loaded(extra_files: list[str | Path] = (), previous: dict | None = None) -> 
                     "files": dict.fromkeys(str(f) for f in extra_files)})
 
 
+def union(*records: dict | None) -> dict | None:
+    """One record naming everything any of ``records`` names (for :func:`loaded`'s
+    ``previous``): a stage whose work ran in other processes (extract's replicas and slices)
+    depends on what they imported too. None when every record is None."""
+    present = [r for r in records if r]
+    if not present:
+        return None
+    return {kind: dict.fromkeys(sorted({name for r in present for name in r.get(kind, {})}))
+            for kind in ("code", "packages", "patches", "files")}
+
+
 def current(recorded: dict) -> dict:
     """The names of a recorded fingerprint with this checkout's hashes and versions."""
     installed = _installed()

@@ -262,6 +262,17 @@ class Part:
         return f"{self.index}/{self.count}"
 
 
+def part_deps_path(out_dir: Path, name: str) -> Path:
+    """Where a replica or slice process leaves what it imported (``stage.run_part``)."""
+    return out_dir / f".deps-{name}.json"
+
+
+def read_part_deps(out_dir: Path) -> list[dict]:
+    """Every part's dependency record: the manifest names what the engines ran on (vLLM, its
+    patches), though the process that writes it never loaded an engine."""
+    return [read_json(path) for path in sorted(out_dir.glob(".deps-*.json"))]
+
+
 def write_slices_record(out_dir: Path, count: int) -> None:
     """Mark the run dir as extracted in ``count`` slices: a plain run then only finalizes."""
     write_json(out_dir / SLICES_RECORD, {"num_slices": count})

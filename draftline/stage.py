@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig
@@ -24,9 +25,12 @@ def _resumed_deps(stage_dir, resolved: dict) -> dict | None:
     return provenance.get("deps") if provenance.get("config") == resolved else None
 
 
-def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -> None:
+def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
+              parts: Callable[[], list[dict]] = list) -> None:
     """Run ``work`` under the configured numerics; on any exception log the full traceback
-    and exit non-zero. The manifest records the numerics and what the run imported.
+    and exit non-zero. The manifest records the numerics and what the run imported, with
+    what ``parts()`` returns after the work: the dependency records of the processes that did
+    part of it (``run_part``).
 
     The stage writes its own config stamp too, so a stage run by hand (without Make) still
     leaves the record Make compares against. A manifest of an earlier run goes first: a run
@@ -42,7 +46,7 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -
         applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
         fields = work(cfg)
         # What the run imported, read from this process once the work is done (draftline.deps).
-        recorded = deps.loaded(config.stage_files(cfg, stage), previous)
+        recorded = deps.loaded(config.stage_files(cfg, stage), deps.union(previous, *parts()))
     except BaseException:
         log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)
         sys.exit(1)
@@ -53,14 +57,16 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict]) -
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
 
 
-def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None]) -> None:
+def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None], record: Path) -> None:
     """Part of a stage's work in its own process (an extract slice or replica): the same
     numerics and failure handling as ``run_stage``, but no stamp and no manifest: the
-    process that writes the manifest checks what the parts left on disk."""
+    process that writes the manifest checks what the parts left on disk, and adds the
+    dependency record each part leaves at ``record`` once its work is done."""
     start = time.monotonic()
     try:
         numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
         work(cfg)
+        artifacts.write_json(record, deps.loaded())
     except BaseException:
         log.exception("%s failed after %.1f s", what, time.monotonic() - start)
         sys.exit(1)

