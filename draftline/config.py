@@ -24,6 +24,10 @@ STAGE_KEYS = {
     "evaluate": ("model", "evaluate", "seed", "numerics"),
     "report": ("report", "numerics"),
 }
+# Where and by how many processes a stage's work runs, not what it makes: out of its stamp,
+# manifest and shard fingerprint, so `make extract SHARD=i/N` or extract.replicas=8 after a
+# one-engine run reruns nothing (and nothing downstream). train.gpus stays in train's stamp.
+LAUNCH_KEYS = {"extract": ("replicas", "shard")}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -58,6 +62,8 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
         raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
     resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
     resolved["run_dir"] = str(cfg.run_dir)
+    for key in LAUNCH_KEYS.get(stage, ()):
+        del resolved[stage][key]
     if stage == "regenerate":  # which layers extract captures does not change the replies
         del resolved["model"]["aux_layer_ids"]
     if stage == "tokenize":

@@ -38,9 +38,6 @@ from draftline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
 REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by its parent
-# Where and by how many processes the shards are made, not what is in them: kept out of the
-# shard fingerprint, so replicas and slices write (and reuse) the shards one engine would.
-LAUNCH_KEYS = ("replicas", "shard")
 
 
 def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> extraction.TargetShape:
@@ -121,12 +118,8 @@ def shard_fingerprint(cfg: DictConfig, regenerate_manifest: dict, samples_path: 
     return artifacts.config_hash({
         "regenerate": regenerate_manifest["provenance"]["config_sha256"],
         "samples": artifacts.sha256_file(samples_path),
-        "extract": without_launch_keys(config.stage_config(cfg, "extract")),
+        "extract": config.stage_config(cfg, "extract"),
     })
-
-
-def without_launch_keys(resolved: dict) -> dict:
-    return {**resolved, "extract": {k: v for k, v in resolved["extract"].items() if k not in LAUNCH_KEYS}}
 
 
 def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:

@@ -38,6 +38,15 @@ def test_a_train_key_changes_only_the_train_stamp():
     assert differs == ["train"]
 
 
+@pytest.mark.parametrize("launch_key", ["extract.replicas=8", "extract.shard=1/4"])
+def test_extract_launch_keys_change_no_stamp(launch_key):
+    """Replicas and slices make the same shards: no stage (extract included) goes stale."""
+    base = config.compose(config.experiment_overrides("tiny", []))
+    changed = config.compose(config.experiment_overrides("tiny", [launch_key]))
+    assert [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)] == []
+    assert "replicas" not in config.stage_config(base, "extract")["extract"]
+
+
 def test_aux_layer_ids_do_not_make_regenerated_replies_stale():
     base = config.compose(config.experiment_overrides("tiny-trained", []))
     changed = config.compose(config.experiment_overrides("tiny-trained", ["model.aux_layer_ids=[0,1,2]"]))

@@ -276,7 +276,7 @@ def extract_repo(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_two_replicas_write_one_replicas_shards_and_a_failed_replica_fails_the_run(extract_repo):
+def test_two_replicas_write_one_replicas_shards_and_a_failed_replica_fails_the_run(extract_repo, tmp_path):
     """extract.replicas=2 on CPU (one core each): SIGINT to replica 1 once it wrote a shard ->
     the stage fails with that replica's KeyboardInterrupt traceback and no manifest, replica 0
     is ended too; a rerun resumes and its shards are byte-identical to one replica's."""
@@ -284,12 +284,15 @@ def test_two_replicas_write_one_replicas_shards_and_a_failed_replica_fails_the_r
     clear_shards(extract_dir)
     command = [sys.executable, "-m", "stages.extract", "experiment=tiny", *EXTRACT_BASE.split(),
                "extract.replicas=2"]
-    process = subprocess.Popen(command, cwd=repo, env=stage_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    replicas = [process_with_env(process.pid, f"DRAFTLINE_EXTRACT_REPLICA={r}/2") for r in (0, 1)]
-    wait_for(extract_dir / "shard-00001.safetensors", process)  # replica 1's first shard
-    os.kill(replicas[1], signal.SIGINT)
-    output, _ = process.communicate(timeout=EXTRACT_TIMEOUT)
+    log = tmp_path / "replicas.log"  # a file, not a pipe: nothing blocks while the test waits
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=repo, env=stage_env(), stdout=sink,
+                                   stderr=subprocess.STDOUT, text=True)
+        replicas = [process_with_env(process.pid, f"DRAFTLINE_EXTRACT_REPLICA={r}/2") for r in (0, 1)]
+        wait_for(extract_dir / "shard-00001.safetensors", process)  # replica 1's first shard
+        os.kill(replicas[1], signal.SIGINT)
+        process.wait(timeout=EXTRACT_TIMEOUT)
+    output = log.read_text()
     assert process.returncode != 0, output[-6000:]
     error = output[output.index("stage extract failed"):]
     assert "ChildFailed: replica 1 (" in error and "DRAFTLINE_EXTRACT_REPLICA=1/2) exited with 1" in error, error
