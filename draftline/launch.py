@@ -19,9 +19,9 @@ that child's traceback.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
-import collections
 import logging
 import os
 import signal
