@@ -18,6 +18,8 @@ nothing in it, so replicas and slices leave exactly the shards one engine writes
   with index % N == i, no manifest; N is recorded in extract/.slices.json. A plain run in a
   sliced run dir only finalizes: it writes the manifest when every planned shard is complete,
   else fails naming the missing shards and the commands that fill them.
+Replicas and slices leave what they imported in extract/.deps-<part>.json; the manifest's
+dependency record includes it (vLLM and its patches), though its writer loaded no engine.
 """
 
 from __future__ import annotations
