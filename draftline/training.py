@@ -350,19 +350,19 @@ def _validate(session: Session, shards: Sequence[str | Path], split_index: str |
 
 
 def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence[int],
-                draft_vocab_size: int) -> dict | None:
-    """vLLM's reading of the saved draft; None if skipped.
+                draft_vocab_size: int) -> tuple[dict | None, list[dict]]:
+    """vLLM's reading of the saved draft (None if not checked), and what was skipped and why.
 
     ``None`` checks when vLLM is installed: training hosts need not have it (the benchmark
     and GPU training environments do not), and nothing on the training path imports it.
     """
-    if check_vllm is None:
-        check_vllm = importlib.util.find_spec("vllm") is not None
-        if not check_vllm:
-            log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
-    if not check_vllm:
-        return None
-    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size)
+    what = "vLLM parse of the saved draft"
+    if check_vllm is None and importlib.util.find_spec("vllm") is None:
+        log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
+        return None, [{"what": what, "reason": "vLLM is not installed here"}]
+    if check_vllm is False:
+        return None, [{"what": what, "reason": "turned off by the caller (check_vllm=False)"}]
+    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size), []
 
 
 def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
@@ -382,7 +382,7 @@ def _summary(history: list[dict], rates: dict, start: int, stop: int, total: int
         "loss_history": [m["loss"] for m in history],
         "tokens_per_second": rates.get("tokens_per_second"),
         "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
-        "validation": {}, "draft_dir": None, "vllm": None,
+        "validation": {}, "draft_dir": None, "vllm": None, "skipped": [],
     }
 
 
@@ -411,7 +411,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
     ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
-    ``precision`` (the resolved one).
+    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one).
     """
     out = Path(out_dir)
     numerics = resolve_precision(precision, device)
@@ -444,5 +444,6 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     if not world.is_main:
         return result
     result["draft_dir"] = str(_save_draft(model, out, save_dtype))
-    result["vllm"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids, d2t.numel())
+    result["vllm"], result["skipped"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids,
+                                                    d2t.numel())
     return result
