@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from draftline import evaluation as ev
 from draftline import regeneration
-from stages.evaluate import apply_gate, check_features
+from stages.evaluate import GateFailed, apply_gate, check_features
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "tests/assets/tau_gate.json"
@@ -719,13 +719,13 @@ def _offline(tau: float, ci: list[float], bigram_ci: list[float]) -> dict:
 def test_the_gate_fails_below_the_floor():
     assert apply_gate({"tau_min": 1.5}, _offline(1.6, [1.55, 1.65], [1.3, 1.4]), "gate.json")["passed"]
     assert not apply_gate(None, _offline(1.0, [0.9, 1.1], [1.3, 1.4]), "gate.json")["checked"]
-    with pytest.raises(AssertionError, match="below the floor"):
+    with pytest.raises(GateFailed, match="below the floor"):
         apply_gate({"tau_min": 1.5}, _offline(1.4, [1.35, 1.45], [1.0, 1.1]), "gate.json")
 
 
 def test_the_gate_fails_when_the_tau_ci_overlaps_the_bigram_ci():
     # Above the floor, but a machine where the bigram baseline does as well (CIs overlap).
-    with pytest.raises(AssertionError, match="does not lie above the bigram baseline's CI"):
+    with pytest.raises(GateFailed, match="does not lie above the bigram baseline's CI"):
         apply_gate({"tau_min": 1.5}, _offline(1.6, [1.52, 1.68], [1.45, 1.55]), "gate.json")
     verdict = apply_gate({"tau_min": 1.5}, _offline(1.6, [1.56, 1.68], [1.45, 1.55]), "gate.json")
     assert verdict["above_baseline"] and verdict["baseline_tau_ci"] == [1.45, 1.55]
@@ -759,6 +759,18 @@ def test_trained_draft_beats_both_baselines(smoke_run):
     for baseline in ("bigram", "most_frequent"):
         assert offline["eagle3"]["tau_ci"][0] > offline[baseline]["tau_ci"][1], baseline
     print({name: round(r["tau"], 3) for name, r in offline.items()})
+
+
+@pytest.mark.slow
+def test_the_gate_floor_lies_between_this_machines_draft_and_its_baseline(smoke_run):
+    """The recorded floor checked against a run measured here and now, not against the
+    numbers written into the asset: below the draft's whole tau CI (a good draft passes on
+    this machine) and above the bigram baseline's (a draft collapsed to it fails the floor
+    alone, whatever the CI rule)."""
+    floor = json.loads(GATE.read_text())["tiny-trained"]["tau_min"]
+    offline = json.loads((smoke_run / "evaluate/results.json").read_text())["offline"]
+    print(f"floor {floor}, draft tau CI {offline['eagle3']['tau_ci']}, bigram CI {offline['bigram']['tau_ci']}")
+    assert offline["bigram"]["tau_ci"][1] < floor < offline["eagle3"]["tau_ci"][0]
 
 
 @pytest.mark.slow
