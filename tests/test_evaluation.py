@@ -605,6 +605,32 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     assert "decoded 1 of 6 stored replies to other text" in vllm_failures(cfg, mismatched)[0]
 
 
+def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine():
+    """stages.evaluate.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
+    the stage's failure, in the default tier (the engine tier checks it on a real decode)."""
+    from draftline import config
+    from stages.evaluate import vllm_failures
+
+    cfg = config.compose(["experiment=tiny"])
+    good = {"on_target_text": True, "replies": 6, "text_mismatches": 0, "mismatched": [], "agrees": True,
+            "vllm": {"tau": 1.5, "acceptance": [0.4]}, "offline": {"tau": 1.5, "tau_ci": [1.4, 1.6],
+            "acceptance_ci": [[0.3, 0.5]]}, "paired_difference": {"difference": 0.0, "ci": [0.0, 0.0]}}
+    assert vllm_failures(cfg, None) == [] and vllm_failures(cfg, good) == []
+    disagrees = {**good, "agrees": False}
+    assert [f.split(" (")[0] for f in vllm_failures(cfg, disagrees)] == ["vLLM's tau 1.500"]
+    assert "disagrees with the offline estimate" in vllm_failures(cfg, disagrees)[0]
+    other_text = {**good, "text_mismatches": 1, "mismatched": [{"reply": 4}]}
+    assert vllm_failures(cfg, other_text) == [
+        "vLLM decoded 1 of 6 stored replies to other text (evaluate.vllm.max_text_mismatches=0); "
+        "first differences: [{'reply': 4}]"]
+    assert len(vllm_failures(cfg, {**disagrees, **other_text, "agrees": False})) == 2
+    # Replies the target did not write (e.g. a fixed dataset's) are not held to either rule.
+    assert vllm_failures(cfg, {**disagrees, **other_text, "agrees": False, "on_target_text": False}) == []
+    relaxed = config.compose(["experiment=tiny", "evaluate.vllm.require_agreement=false",
+                              "evaluate.vllm.max_text_mismatches=1"])
+    assert vllm_failures(relaxed, {**disagrees, **other_text, "agrees": False}) == []
+
+
 def test_offline_evaluation_refuses_features_the_draft_does_not_expect(pair):
     _, draft_dir = pair
     assert check_features(draft_dir, {"aux_layer_ids": [1, 2, 3]}) == [1, 2, 3]
