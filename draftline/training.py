@@ -63,6 +63,7 @@ from draftline.train_data import (
     epoch_batches,
     load_split,
     load_vocab_mapping,
+    make_sampler,
     plan_steps,
     steps_in_epochs,
 )
@@ -95,9 +96,7 @@ def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: to
 def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
              world: World) -> MultipackDistributedBatchSamplerV2:
     """speculators' packing sampler; rank r of N gets its part of each global pack."""
-    return MultipackDistributedBatchSamplerV2(
-        batch_max_length=rank_tokens, lengths=list(lengths), num_replicas=world.world_size,
-        rank=world.rank, seed=seed)
+    return make_sampler(lengths, rank_tokens, seed, world.rank, world.world_size)
 
 
 def _rank_tokens(max_tokens_per_step: int, world: World) -> int:
@@ -146,13 +145,16 @@ def _prepare_model(model: Eagle3DraftModel, device: str, precision: Precision) -
     model.to(device).train()
 
 
-def _wrap(model: Eagle3DraftModel, device: str, world: World) -> torch.nn.Module:
+def _wrap(model: Eagle3DraftModel, device: str, world: World,
+          ddp: bool | None = None) -> torch.nn.Module:
     """DDP across ranks (it broadcasts rank 0's weights once); the model itself alone.
 
+    ``ddp=None`` wraps when there are several ranks; ``True`` wraps a single rank too (its
+    process group must exist), which is how the benchmark measures DDP's own cost.
     No buffer broadcast: d2t/t2d are the same on every rank and never change.  Every
     trainable parameter gets a gradient each step, so no search for unused ones.
     """
-    if not world.distributed:
+    if not (world.distributed if ddp is None else ddp):
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -273,14 +275,16 @@ class Session:
 def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
                  total_steps: int, ttt_steps: int, decay: float = 1.0,
                  precision: str = "auto", compile: bool | None = None,
-                 attention: str = "auto", world: World = World()) -> Session:
+                 attention: str = "auto", world: World = World(),
+                 ddp: bool | None = None) -> Session:
     """The draft on ``device`` with its optimizer, schedule, precision and forward mode
-    (wrapped in DDP when ``world`` has several ranks; ``device`` is this rank's)."""
+    (wrapped in DDP when ``world`` has several ranks, or when ``ddp``; ``device`` is this
+    rank's)."""
     numerics = resolve_precision(precision, device)
     _prepare_model(model, device, numerics)
     mode = _forward_mode(model, device, compile, attention)
     optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
-    return Session(_wrap(model, device, world), optimizer, scheduler, device, mode, ttt_steps,
+    return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode, ttt_steps,
                    decay, numerics, world)
 
 
