@@ -136,3 +136,34 @@ def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
     assert index["validation"].tolist() == [[0, 0, 7]]
     write_index(tmp_path / "empty.safetensors", train, [])
     assert load_file(str(tmp_path / "empty.safetensors"))["validation"].shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- edges that mutants found
+
+
+def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
+    import hashlib
+
+    from draftline.preparation import split_rows
+
+    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
+    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
+    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
+    assert [r[1] for r in validation] == by_hash[:3]
+    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.preparation import validate_shard, write_index
+
+    path = tmp_path / "one.safetensors"
+    save_file({"hidden_states": torch.zeros(3, 2, 4), "input_ids": torch.arange(3),
+               "loss_mask": torch.ones(3, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 1, 3]),
+               "sample_ids": torch.tensor([5, 6])}, str(path))
+    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
+    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert index["validation"].dtype == torch.int64 and index["validation"].shape == (0, 3)
