@@ -167,3 +167,22 @@ def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_
     write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
     index = load_file(str(tmp_path / "index.safetensors"))
     assert index["validation"].dtype == torch.int64 and index["validation"].shape == (0, 3)
+
+
+def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
+    """Exactly min_validation samples won the coin: they are the validation split as drawn, in
+    the rows' order (the lowest-hash fallback is only for fewer)."""
+    import hashlib
+
+    from draftline.preparation import split_rows
+
+    def coin(seed, i):
+        return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
+
+    for seed in range(100):  # a seed whose two lowest coins are not in sample order
+        lowest = sorted(range(15), key=lambda i: coin(seed, i))
+        if lowest[0] > lowest[1]:
+            break
+    fraction = (coin(seed, lowest[1]) + coin(seed, lowest[2])) / 2  # exactly two win
+    _, validation = split_rows(rows(15), fraction, seed=seed, min_validation=2)
+    assert [r[1] for r in validation] == sorted(lowest[:2])
