@@ -2,13 +2,19 @@
 
     .venv/bin/python -m benchmarks.tokenize                       # 100k conversations, 1 and 2 workers
     .venv/bin/python -m benchmarks.tokenize --conversations 20000 --workers 1 2 4
+    .venv/bin/python -m benchmarks.tokenize --conversations 20000 --workers 1 --formats jsonl parquet datasets
 
 Writes a deterministic JSONL file of synthetic ShareGPT conversations with the quirks of
 real dumps in about their real proportions (a third start with the assistant, odd role
 names, empty turns, empty conversations, same-role runs), builds the tiny target's
 tokenizer, then runs the tokenize library path once per worker count, each in a fresh
-process, and prints conversations/s, peak memory (main process and the largest worker) and a
-hash of the samples, which must be the same for every worker count.  Timing covers the
+process, and prints conversations/s, peak memory and a hash of the samples, which must be the
+same for every worker count.  ``--formats`` also writes the same records as a parquet file
+and a ``datasets`` ``save_to_disk`` directory and runs each (the hash must not change either).  Peak memory is given three ways: the main process's and the
+largest worker's own peaks (getrusage), and the peak of the whole process tree's summed RSS,
+sampled every 0.2 s (pages shared between processes count once per process); sampling can miss
+a short spike such as the final concatenation, so the tree figure is at least the main
+process's exact peak.  Timing covers the
 tokenize call only (not interpreter start-up or the tokenizer load of the main process;
 spawned workers load theirs inside the timed call).
 """
@@ -20,9 +26,11 @@ import hashlib
 import json
 import random
 import resource
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -90,28 +98,81 @@ def generate(path: str | Path, conversations: int, seed: int = 0) -> Counter:
     return quirks
 
 
+class TreeRSS:
+    """Samples the summed RSS of this process and all its descendants in a thread; ``peak`` in bytes."""
+
+    INTERVAL = 0.2  # seconds between samples
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _tree_rss() -> int:
+        parents: dict[int, int] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as f:  # "pid (comm) state ppid ..."
+                        parents[int(entry.name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (FileNotFoundError, ProcessLookupError):
+                    continue  # exited between the listing and the read
+        tree, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            parent = frontier.pop()
+            children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+            tree.update(children)
+            frontier += children
+        total = 0
+        for pid in tree:
+            try:
+                with open(f"/proc/{pid}/statm") as f:  # size resident ... in pages
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._tree_rss())
+            self._stop.wait(self.INTERVAL)
+
+    def __enter__(self) -> "TreeRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def measure(data: str, model: str, workers: int, seq_length: int) -> dict:
     """Tokenize ``data`` once in this process; numbers and a hash of the output."""
     from draftline.conversations import DEFAULT_ROLES
     from draftline.data_sources import open_source
     from draftline.tokenizing import Budget, tokenize_source
 
-    start = time.perf_counter()
-    result = tokenize_source(
-        open_source(data), model_dir=model, trust_remote_code=False, seq_length=seq_length,
-        roles=DEFAULT_ROLES, field=None, max_samples=None, shuffle=False, seed=0,
-        workers=workers, budget=Budget(0.05))
-    seconds = time.perf_counter() - start
+    with TreeRSS() as tree:
+        start = time.perf_counter()
+        result = tokenize_source(
+            open_source(data), model_dir=model, trust_remote_code=False, seq_length=seq_length,
+            roles=DEFAULT_ROLES, field=None, max_samples=None, shuffle=False, seed=0,
+            workers=workers, budget=Budget(0.05))
+        seconds = time.perf_counter() - start
     digest = hashlib.sha256()
     for array in (result.input_ids, result.loss_mask, result.offsets):
         digest.update(array.tobytes())
     tally = result.tally.manifest()
     kib = 1024  # ru_maxrss is in KiB on Linux
+    main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
     return {
         "workers": workers, "seconds": round(seconds, 1),
         "conversations_per_s": round(tally["num_records"] / seconds, 1),
-        "peak_rss_main_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib),
+        "peak_rss_main_mib": round(main_peak / 2**20),
         "peak_rss_worker_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib),
+        "peak_rss_tree_mib": round(max(tree.peak, main_peak) / 2**20),
+        "load_avg": open("/proc/loadavg").read().split()[:3],
         "samples": len(result.offsets) - 1, "tokens": len(result.input_ids),
         "skipped": tally["skipped"] and {k: v["count"] for k, v in tally["skipped"].items()},
         "leading_dropped": tally["leading_assistant_turns_dropped"],
@@ -119,11 +180,33 @@ def measure(data: str, model: str, workers: int, seq_length: int) -> dict:
     }
 
 
+def convert(jsonl: Path, fmt: str) -> Path:
+    """The records of ``jsonl`` as ``fmt`` (jsonl, parquet or datasets) next to it."""
+    if fmt == "jsonl":
+        return jsonl
+    with open(jsonl, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = jsonl.with_suffix(".parquet")
+        pq.write_table(pa.Table.from_pylist(records), path)
+        return path
+    import datasets
+
+    path = jsonl.with_suffix(".datasets")
+    datasets.Dataset.from_list(records).save_to_disk(str(path))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=100_000, help="records to generate")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts")
     parser.add_argument("--seq-length", type=int, default=2048, help="tokens per sample")
+    parser.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "parquet", "datasets"],
+                        help="input formats to run, each with every worker count")
     parser.add_argument("--measure", nargs=2, metavar=("DATA", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:  # child mode: one measurement in a fresh process
@@ -139,21 +222,24 @@ def main() -> None:
               f"quirks: {dict(sorted((str(k), v) for k, v in quirks.items()))}", flush=True)
         tiny.build_tiny_llama(model)
         rows = []
-        for workers in args.workers:
-            child = subprocess.run(
-                [sys.executable, "-m", "benchmarks.tokenize", "--measure", str(data), str(model),
-                 "--workers", str(workers), "--seq-length", str(args.seq_length)],
-                check=True, capture_output=True, text=True)
-            rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+        for fmt in args.formats:
+            path = convert(data, fmt)
+            for workers in args.workers:
+                child = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.tokenize", "--measure", str(path), str(model),
+                     "--workers", str(workers), "--seq-length", str(args.seq_length)],
+                    check=True, capture_output=True, text=True)
+                rows.append({"format": fmt, **json.loads(child.stdout.strip().splitlines()[-1])})
+                print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
     for row in rows:
-        print(f"workers={row['workers']}: {row['conversations_per_s']} conversations/s "
+        print(f"{row['format']}, workers={row['workers']}: {row['conversations_per_s']} conversations/s "
               f"({row['seconds']} s, x{row['conversations_per_s'] / base['conversations_per_s']:.2f}), "
               f"peak RSS main {row['peak_rss_main_mib']} MiB, worker {row['peak_rss_worker_mib']} MiB, "
+              f"all processes together {row['peak_rss_tree_mib']} MiB, "
               f"output {'identical' if row['sha256'] == base['sha256'] else 'DIFFERENT'}")
     if any(row["sha256"] != base["sha256"] for row in rows):
-        raise SystemExit("outputs differ between worker counts")
+        raise SystemExit("outputs differ between worker counts or formats")
 
 
 if __name__ == "__main__":

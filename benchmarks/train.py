@@ -4,6 +4,8 @@
     python -m benchmarks.train --compare-precision      # bf16 and fp32, with their ratio
     python -m benchmarks.train --device cpu --hidden 256 --vocab 2048 --draft-vocab 512 \\
         --tokens-per-step 512 --steps 3 --warmup 1 --compare-precision     # CPU smoke run
+    python -m benchmarks.train --results one.json                 # plain, one GPU: the baseline
+    python -m benchmarks.train --gpus 2 --baseline one.json       # DDP on 2 GPUs, with the ratio
 
 For each precision, the same training step (``draftline.training.Session.step``: speculators'
 forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
@@ -45,11 +47,30 @@ Attention counts only unmasked scores (causal within a sample, plus the k earlie
 positions of each token at TTT step k); kernels that compute masked blocks do more work.
 Llama-3.1-8B defaults: ~7.3 GFLOP per position.
 
+Several GPUs (``--gpus N``): the command re-launches itself under torchrun with N processes
+(``draftline.launch``: one per GPU, NCCL -- gloo with ``--device cpu`` -- and NVLink multicast
+off, as ``make train GPUS=N`` runs), each rank on ``cuda:<local rank>`` with the draft wrapped in
+``DistributedDataParallel`` (also at N = 1, so ``--gpus 1`` against the plain run is DDP's own
+cost), exactly as the train stage trains.  ``--tokens-per-step`` is each rank's budget (weak
+scaling: N GPUs do N times the work per step); ``--split-budget`` divides it among the ranks
+instead, as ``train.max_tokens_per_step`` is divided.  Each rank makes its own resident batches
+and reads its own share of the shards (speculators' distributed packing sampler, rank r of N);
+rank 0 writes the shards before the others start.  Printed: each rank's line, then the total
+(tokens of all ranks over the slowest rank's time, peak memory of the fullest GPU, TFLOP/s of
+all GPUs together).  ``--results FILE`` writes the numbers as JSON; ``--baseline FILE`` (an
+earlier ``--results``, e.g. the plain one-GPU run) prints this run's tokens/s over that one's
+and the scaling efficiency (ratio / GPU ratio).
+
 Measured on one H200 (torch 2.11, defaults, --steps 10 --warmup 3): bf16 ~64-66k tokens/s
 (124-128 ms/step, 16.2 GiB, ~470-480 TFLOP/s) resident and ~59-61k from disk at the same
 step rate; fp32 ~4.8k (1.72 s/step, 22.5 GiB, 35 TFLOP/s); bf16/fp32 13.8x.  With
 ``--compile 0`` (dense-mask SDPA) bf16 runs ~31k tokens/s.  Loader alone: 2.8-4.5 GB/s
 from a cold disk whose plain sequential read gave 1.8-2.1 GB/s, 22 GB/s from page cache.
+Again later (same machine kind, torch 2.11.0+cu130, --steps 10 --warmup 3), plain vs
+``--gpus 1`` (DDP, one rank): Llama-3.1-8B dims 66.1k vs 63.3k resident (122.9 vs 129.0 ms,
+16.2 vs 19.4 GiB), 60.7k vs 57.6k from disk; Kimi-K2.5 draft dims (``--hidden 7168
+--intermediate 18432 --heads 56 --kv-heads 8 --vocab 163840``) 33.0k vs 31.6k resident
+(248.9 vs 258.0 ms, 30.5 vs 36.6 GiB), 30.0k vs 29.1k from disk.
 """
 
 from __future__ import annotations
@@ -62,6 +83,7 @@ import os
 import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -70,10 +92,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftline import launch
 from draftline.train_data import (
     PackedLoader,
     ShardSampleDataset,
     load_split,
+    load_vocab_mapping,
     make_sampler,
     plan_steps,
 )
@@ -130,6 +154,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--workdir", default=None, help="where shards and the verifier go (default: a temp "
                                         "dir, removed afterwards)")
     add("--seed", type=int, default=0, help="RNG seed")
+    add("--gpus", type=int, default=None,
+        help="run under torchrun with this many processes (DDP, one per GPU; gloo on CPU); "
+             "default: the plain single-process path")
+    add("--split-budget", action="store_true",
+        help="--tokens-per-step is the global budget, divided among the ranks")
+    add("--collective-timeout-s", type=float, default=1800.0,
+        help="seconds a collective (the wait for rank 0's shards too) may take")
+    add("--results", default=None, help="write the numbers to this JSON file (rank 0)")
+    add("--baseline", default=None,
+        help="a --results file (e.g. one GPU) to print this run's tokens/s ratio against")
     return parser.parse_args(argv)
 
 
@@ -145,6 +179,25 @@ def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def rank_device(requested: str, local_rank: int) -> str:
+    """This rank's device under torchrun: ``cuda:<local rank>`` or ``cpu``."""
+    device = pick_device(requested)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--gpus takes --device auto, cuda or cpu (each rank uses "
+                         f"cuda:<local rank>), got --device {requested}")
+    return f"cuda:{local_rank}" if device == "cuda" else device
+
+
+def rank_tokens(args: argparse.Namespace, world: launch.World) -> int:
+    """One rank's token budget per step."""
+    if not args.split_budget:
+        return args.tokens_per_step
+    if args.tokens_per_step % world.world_size:
+        raise ValueError(f"--split-budget: --tokens-per-step {args.tokens_per_step} does not "
+                         f"divide among {world.world_size} processes")
+    return args.tokens_per_step // world.world_size
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -323,6 +376,8 @@ class RunResult:
     step_ms: list[float] = dataclasses.field(default_factory=list)
     peak_gib: float = 0.0
     loss: float = float("nan")
+    rank: int | None = None  # None: one process, or the total over ranks
+    samples: list[int] = dataclasses.field(default_factory=list)  # disk runs: dataset rows read
 
     @property
     def tokens_per_second(self) -> float:
@@ -333,10 +388,30 @@ class RunResult:
         return self.positions / self.seconds
 
     def line(self) -> str:
-        return (f"{self.name:<14} {self.tokens_per_second:>11,.0f} tok/s  "
+        name = self.name if self.rank is None else f"{self.name} r{self.rank}"
+        return (f"{name:<18} {self.tokens_per_second:>11,.0f} tok/s  "
                 f"step {statistics.median(self.step_ms):>9.1f} ms  "
                 f"peak {self.peak_gib:>7.2f} GiB  {self.flops / self.seconds / 1e12:>8.2f} "
                 f"TFLOP/s  fill {self.tokens / self.positions:.2f}  loss {self.loss:.3f}")
+
+    def summary(self) -> dict:
+        return {"tokens_per_second": self.tokens_per_second,
+                "step_ms_median": statistics.median(self.step_ms), "peak_gib": self.peak_gib,
+                "tflops": self.flops / self.seconds / 1e12, "tokens": self.tokens,
+                "seconds": self.seconds, "loss": self.loss}
+
+
+def combine(ranks: list[RunResult]) -> RunResult:
+    """All ranks as one run: their tokens over the slowest rank's time, each step as long as
+    its slowest rank, the fullest GPU's peak.  The loss is already the mean over ranks."""
+    total = RunResult(ranks[0].name, loss=ranks[0].loss)
+    total.tokens = sum(r.tokens for r in ranks)
+    total.positions = sum(r.positions for r in ranks)
+    total.flops = sum(r.flops for r in ranks)
+    total.seconds = max(r.seconds for r in ranks)
+    total.step_ms = [max(times) for times in zip(*(r.step_ms for r in ranks))]
+    total.peak_gib = max(r.peak_gib for r in ranks)
+    return total
 
 
 def timed_steps(name: str, session: Session, batches: Iterable[dict], dims: Dims,
@@ -399,7 +474,7 @@ class Inputs:
 
 
 def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: str,
-                precision: str) -> Session:
+                precision: str, world: launch.World, ddp: bool) -> Session:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
         model = build_draft(inputs.verifier, [2, 16, 29], inputs.d2t, inputs.t2d, dims.layers,
@@ -407,33 +482,41 @@ def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: st
     compile = None if args.compile == "auto" else args.compile == "1"
     total = args.warmup * 2 + args.steps * 2 + 1  # keeps the LR schedule above zero
     return make_session(model, device, lr=1e-4, warmup_steps=0, total_steps=total,
-                        ttt_steps=dims.ttt, precision=precision, compile=compile)
+                        ttt_steps=dims.ttt, precision=precision, compile=compile, world=world,
+                        ddp=ddp)
 
 
-def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session,
-                steps: int) -> PackedLoader:
+def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session, steps: int,
+                tokens: int) -> tuple[PackedLoader, list[int]]:
+    """This rank's loader over its share of the shards, and the dataset rows it will read."""
     dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
-    sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
+    world = session.world
+    sampler = make_sampler(dataset.lengths, tokens, args.seed, world.rank, world.world_size)
     batches = [batch for _, batch in plan_steps(sampler, 0, steps)]
-    return PackedLoader(dataset, batches, args.tokens_per_step, session.device,
-                        session.precision.input_dtype, args.loader_threads, args.prefetch)
+    loader = PackedLoader(dataset, batches, tokens, session.device,
+                          session.precision.input_dtype, args.loader_threads, args.prefetch)
+    return loader, [int(row) for batch in batches for row in batch]
 
 
 def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: str,
-                  precision: str) -> list[RunResult]:
+                  precision: str, world: launch.World, ddp: bool) -> list[RunResult]:
+    """The resident and the disk run of one precision, as this rank saw them."""
     torch.compiler.reset()  # a fresh model per precision: keep dynamo's recompile budget
-    session = new_session(args, dims, inputs, device, precision)
+    session = new_session(args, dims, inputs, device, precision, world, ddp)
     name = session.precision.name
-    mean = args.sample_len or max(2, args.tokens_per_step // 8)
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    resident = resident_batches(dims, args.tokens_per_step, mean, device, 2, generator)
+    tokens = rank_tokens(args, world)
+    mean = args.sample_len or max(2, tokens // 8)
+    generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * world.rank)
+    resident = resident_batches(dims, tokens, mean, device, 2, generator)
     cycle = (resident[i % len(resident)] for i in range(args.warmup + args.steps))
     results = [timed_steps(f"{name} resident", session, cycle, dims, args.warmup, args.steps)]
     del resident, cycle
-    drop_page_cache(inputs.shards)
-    loader = disk_loader(args, inputs, session, args.warmup + args.steps)
+    if world.is_main:
+        drop_page_cache(inputs.shards)
+    loader, samples = disk_loader(args, inputs, session, args.warmup + args.steps, tokens)
     results.append(timed_steps(f"{name} disk", session, loader, dims, args.warmup,
                                args.steps))
+    results[-1].samples = samples
     del session
     gc.collect()
     if device.startswith("cuda"):
@@ -441,19 +524,27 @@ def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: 
     return results
 
 
-def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path) -> Inputs:
+def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_size: int) -> None:
+    """Verifier, vocabulary mapping, shards and split index, written under ``workdir``."""
     generator = torch.Generator().manual_seed(args.seed)
-    verifier = write_verifier(workdir / "verifier", dims, generator)
+    write_verifier(workdir / "verifier", dims, generator)
     d2t, t2d = vocab_mapping(dims, generator)
-    tokens = args.disk_tokens or (args.warmup + args.steps) * args.tokens_per_step
-    mean = args.sample_len or max(2, args.tokens_per_step // 8)
+    save_file({"d2t": d2t, "t2d": t2d}, str(workdir / "vocab.safetensors"))
+    per_rank = args.tokens_per_step // world_size if args.split_budget else args.tokens_per_step
+    tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world_size
+    mean = args.sample_len or max(2, per_rank // 8)
     start = time.perf_counter()
-    shards, index = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
-                                 generator)
+    shards, _ = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
+                             generator)
     size = sum(p.stat().st_size for p in shards)
     print(f"shards: {len(shards)} files, {tokens:,} tokens, {size / 1e9:.2f} GB written in "
           f"{time.perf_counter() - start:.1f} s to {workdir}", flush=True)
-    return Inputs(verifier, d2t, t2d, shards, index)
+
+
+def load_inputs(workdir: Path) -> Inputs:
+    d2t, t2d = load_vocab_mapping(workdir / "vocab.safetensors")
+    shards = sorted((workdir / "shards").glob("shard-*.safetensors"))
+    return Inputs(workdir / "verifier", d2t, t2d, shards, workdir / "shards" / "split.safetensors")
 
 
 def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
@@ -475,33 +566,133 @@ def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
               flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    dims = dims_from(args)
-    precisions = ["bf16", "fp32"] if args.compare_precision else [args.precision]
-    print(f"device {device}  dims {dataclasses.asdict(dims)}  tokens/step "
-          f"{args.tokens_per_step}  warmup {args.warmup}  steps {args.steps}  compile "
-          f"{args.compile}  torch {torch.__version__}", flush=True)
-    print(f"FLOPs per position (no attention): "
-          f"{step_flops(dims, 1, []) / 1e9:.3f} GFLOP", flush=True)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="draftline-bench-"))
+# --------------------------------------------------------------------------- processes
+
+
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
+    """This benchmark again under torchrun (``--gpus`` processes); torchrun's exit code.
+
+    The shards' folder is made here, so that every rank finds it, and removed afterwards.
+    """
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    if pick_device(args.device) != "cpu" and args.gpus > torch.cuda.device_count():
+        raise ValueError(f"--gpus {args.gpus} but {torch.cuda.device_count()} CUDA GPU(s) here")
+    workdir = args.workdir
+    if workdir is None:
+        workdir = tempfile.mkdtemp(prefix="draftline-bench-")
+        argv = [*argv, "--workdir", workdir]
     try:
-        inputs = prepare_inputs(args, dims, workdir)
-        measure_disk(args, inputs, device)
-        results = {}
-        for precision in precisions:
-            for result in run_precision(args, dims, inputs, device, precision):
-                results[result.name] = result
-                print(result.line(), flush=True)
+        return launch.relaunch("benchmarks.train", argv, args.gpus)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    print_summary(results, args.compare_precision)
 
 
-def print_summary(results: dict[str, RunResult], compare: bool) -> None:
-    print("\nrun            tokens/s (real)   step (median)   peak memory   achieved       "
+def this_world(args: argparse.Namespace) -> launch.World:
+    """torchrun's ranks with ``--gpus``, else one plain process."""
+    if args.gpus is None:
+        return launch.World()
+    current = launch.world()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", current.world_size))
+    if local != args.gpus:
+        raise ValueError(f"--gpus {args.gpus} but torchrun started {local} processes per node")
+    return current
+
+
+def barrier(world: launch.World) -> None:
+    if world.distributed:
+        torch.distributed.barrier()
+
+
+def gather(result: RunResult, world: launch.World) -> list[RunResult]:
+    """Every rank's result of one run, in rank order (on every rank)."""
+    if world.distributed:
+        found: list = [None] * world.world_size
+        torch.distributed.all_gather_object(found, result)
+        return found
+    return [result]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.gpus is not None and not launch.under_torchrun():
+        sys.exit(launch_ranks(args, argv))
+    world = this_world(args)
+    ddp = args.gpus is not None
+    device = rank_device(args.device, world.local_rank) if ddp else pick_device(args.device)
+    if ddp:
+        launch.init_process_group(device, args.collective_timeout_s)
+    try:
+        run_all(args, world, ddp, device)
+    finally:
+        launch.destroy_process_group()
+
+
+def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: str) -> None:
+    dims = dims_from(args)
+    precisions = ["bf16", "fp32"] if args.compare_precision else [args.precision]
+    say = print if world.is_main else (lambda *a, **k: None)
+    say(f"device {device}  processes {world.world_size} ({'DDP' if ddp else 'plain'})  "
+        f"dims {dataclasses.asdict(dims)}  tokens/step per rank {rank_tokens(args, world)}  "
+        f"warmup {args.warmup}  steps {args.steps}  compile {args.compile}  torch "
+        f"{torch.__version__}", flush=True)
+    say(f"FLOPs per position (no attention): {step_flops(dims, 1, []) / 1e9:.3f} GFLOP",
+        flush=True)
+    if ddp:
+        say("NVLink multicast: " + " ".join(f"{k}={os.environ.get(k)}"
+                                             for k in launch.NO_MULTICAST), flush=True)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="draftline-bench-"))
+    try:
+        if world.is_main:
+            prepare_inputs(args, dims, workdir, world.world_size)
+        barrier(world)  # the other ranks read what rank 0 wrote
+        inputs = load_inputs(workdir)
+        if not ddp:
+            measure_disk(args, inputs, device)
+        per_rank: dict[str, list[RunResult]] = {}
+        for precision in precisions:
+            for result in run_precision(args, dims, inputs, device, precision, world, ddp):
+                ranks = gather(result, world)
+                if ddp:
+                    for rank, each in enumerate(ranks):
+                        each.rank = rank
+                        say(each.line(), flush=True)
+                per_rank[result.name] = ranks
+        barrier(world)  # nobody removes the shards while another rank reads them
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if world.is_main:
+        report(args, dims, device, world, ddp, per_rank)
+
+
+def report(args: argparse.Namespace, dims: Dims, device: str, world: launch.World, ddp: bool,
+           per_rank: dict[str, list[RunResult]]) -> None:
+    totals = {name: combine(ranks) for name, ranks in per_rank.items()}
+    print_summary(totals, args.compare_precision, world.world_size)
+    record = {
+        "world_size": world.world_size, "ddp": ddp, "device": device,
+        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+        "torch": torch.__version__, "dims": dataclasses.asdict(dims),
+        "tokens_per_step_per_rank": rank_tokens(args, world), "warmup": args.warmup,
+        "steps": args.steps, "compile": args.compile,
+        "env": {k: os.environ.get(k) for k in launch.NO_MULTICAST},
+        "runs": {name: {**totals[name].summary(),
+                        "ranks": [{**r.summary(), "samples": r.samples} for r in ranks]}
+                 for name, ranks in per_rank.items()},
+    }
+    if args.baseline:
+        print_ratios(record, json.loads(Path(args.baseline).read_text()))
+    if args.results:
+        Path(args.results).write_text(json.dumps(record, indent=2))
+        print(f"results: {args.results}")
+
+
+def print_summary(results: dict[str, RunResult], compare: bool, processes: int = 1) -> None:
+    label = "run" if processes == 1 else f"all {processes} ranks"
+    print(f"\n{label:<18} tokens/s (real)   step (median)   peak memory   achieved       "
           "fill  last loss")
     for result in results.values():
         print(result.line())
@@ -516,6 +707,25 @@ def print_summary(results: dict[str, RunResult], compare: bool) -> None:
             disk, resident = results[f"{name} disk"], results[f"{name} resident"]
             print(f"{name}: step rate from disk / resident: "
                   f"{disk.positions_per_second / resident.positions_per_second:.2f}")
+
+
+def print_ratios(record: dict, baseline: dict) -> None:
+    """This run's total tokens/s over the baseline's, run by run (same names only)."""
+    gpus, base_gpus = record["world_size"], baseline["world_size"]
+    if record["dims"] != baseline["dims"]:
+        raise ValueError(f"--baseline was measured at other dimensions: {baseline['dims']} "
+                         f"vs {record['dims']}")
+    common = [name for name in record["runs"] if name in baseline["runs"]]
+    if not common:
+        raise ValueError(f"--baseline has none of these runs: {sorted(record['runs'])} vs "
+                         f"{sorted(baseline['runs'])}")
+    for name in common:
+        ratio = (record["runs"][name]["tokens_per_second"]
+                 / baseline["runs"][name]["tokens_per_second"])
+        print(f"{name}: {gpus} / {base_gpus} process(es) "
+              f"({'DDP' if record['ddp'] else 'plain'} / "
+              f"{'DDP' if baseline['ddp'] else 'plain'}) tokens/s: {ratio:.3f}x, scaling "
+              f"efficiency {ratio * base_gpus / gpus:.1%}")
 
 
 if __name__ == "__main__":

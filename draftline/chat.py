@@ -35,7 +35,7 @@ tokens (the same convention as ``apply_chat_template(tokenize=True)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from bisect import bisect_left
 from itertools import pairwise
 from typing import Any, Sequence
@@ -46,6 +46,7 @@ from draftline.conversations import DataError
 
 __all__ = [
     "ChatTemplateError",
+    "DroppedExchange",
     "EmptyLossMaskError",
     "EncodedConversation",
     "Windows",
@@ -324,16 +325,28 @@ def tokenize_conversation(
 
 
 @dataclass(frozen=True)
+class DroppedExchange:
+    """Messages ``[start, end)`` of one exchange whose render (``num_tokens`` long, with the
+    leading system turns) leaves no reply token within ``max_length``."""
+
+    start: int
+    end: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class Windows:
     """The samples one conversation became, and how much of its assistant text they keep.
 
     ``num_assistant_tokens`` counts the loss-mask tokens of the whole conversation rendered
-    at once; ``num_kept_tokens`` those of all windows together.
+    at once; ``num_kept_tokens`` those of all windows together.  ``dropped_exchanges`` names
+    each exchange that gave no sample because its prompt alone fills ``max_length``.
     """
 
     samples: list[EncodedConversation]
     num_assistant_tokens: int
     num_kept_tokens: int
+    dropped_exchanges: list[DroppedExchange] = field(default_factory=list)
 
 
 def _exchanges(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -366,8 +379,8 @@ def encode_windows(
     start and ends after an assistant turn.  The first window is therefore the longest prefix
     of whole exchanges that fits; the next starts where it stopped, with the system prompt as
     context again.  An exchange that alone is too long is cut at ``max_length`` tokens and kept
-    if some of its reply survives (``num_truncated`` says so); otherwise it is dropped, which
-    the kept-token count shows.  :class:`EmptyLossMaskError` if nothing at all survives.
+    if some of its reply survives (``num_truncated`` says so); otherwise it is dropped and
+    listed in ``dropped_exchanges``.  :class:`EmptyLossMaskError` if nothing at all survives.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -382,6 +395,7 @@ def encode_windows(
         return system + list(messages[exchanges[i][0] : exchanges[j - 1][1]])
 
     samples: list[EncodedConversation] = []
+    dropped: list[DroppedExchange] = []
     i = 0
     while i < len(exchanges):
         # Binary search for the largest j whose window fits: lengths grow with j.
@@ -394,11 +408,11 @@ def encode_windows(
             else:
                 hi = mid - 1
         if best is None:  # one exchange alone is too long: keep its head if a reply survives
-            try:
-                samples.append(_truncated(*_encode_whole(tokenizer, window(i, i + 1), sample),
-                                          max_length, sample))
-            except EmptyLossMaskError:
-                pass  # counted through num_kept_tokens; the conversation may still yield others
+            w_ids, w_mask, w_strategy = _encode_whole(tokenizer, window(i, i + 1), sample)
+            if any(w_mask[:max_length]):
+                samples.append(_truncated(w_ids, w_mask, w_strategy, max_length, sample))
+            else:  # the caller counts it; the conversation may still yield other samples
+                dropped.append(DroppedExchange(*exchanges[i], len(w_ids)))
             i += 1
             continue
         j, (w_ids, w_mask, w_strategy) = best
@@ -408,4 +422,4 @@ def encode_windows(
         raise EmptyLossMaskError(
             f"{_label(sample)}: no assistant tokens within max_length={max_length}: every exchange's "
             f"prompt alone is longer ({len(ids)} tokens in all)")
-    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples))
+    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples), dropped)

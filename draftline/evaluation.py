@@ -677,7 +677,7 @@ def vllm_name(name: str) -> tuple[str, str]:
 
 def compare_loaded(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> dict:
     """Check every saved tensor landed (by value) in vLLM's parameters and every parameter was filled."""
-    filled: dict[str, int] = {}
+    filled: set[str] = set()
     placed, ignored = [], []
     stacks: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in sorted(saved.items()):
@@ -690,18 +690,18 @@ def compare_loaded(params: dict[str, torch.Tensor], saved: dict[str, torch.Tenso
         if kind == "direct":
             # Vocab-parallel layers may pad rows to a multiple of 64: compare the saved rows.
             held = params[target][: tensor.shape[0]] if tensor.dim() else params[target]
-            if not torch.equal(held.to(tensor.dtype), tensor):
+            if not torch.equal(held, tensor):  # by value (torch.equal promotes dtypes)
                 raise ValueError(f"{name}: vLLM holds other values")
-            filled[target] = params[target].numel()
+            filled.add(target)
         else:
             stacks.setdefault(target, []).append((kind, tensor))
         placed.append(name)
     order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
     for target, parts in stacks.items():
         stacked = torch.cat([t for _, t in sorted(parts, key=lambda p: order[p[0]])])
-        if not torch.equal(params[target].to(stacked.dtype), stacked):
+        if not torch.equal(params[target], stacked):
             raise ValueError(f"{target}: vLLM holds other values")
-        filled[target] = params[target].numel()
+        filled.add(target)
     unfilled = sorted(set(params) - set(filled))
     if unfilled:
         raise ValueError(f"vLLM draft parameters no saved tensor filled: {unfilled}")

@@ -8,7 +8,9 @@ order, the vocabulary counts and the skip table are the same for any number of w
 
 The skip budget (``tokenize.max_skipped``) is a count (an int) or a fraction of the records
 read (a float in [0, 1]); every reason is counted, with the first few locations, and a run
-over budget fails with the table.
+over budget fails with the table.  An exchange lost from a conversation that still gives
+samples (its prompt alone fills ``seq_length``) is not a record skip and does not count
+against the budget; the manifest's ``dropped_exchanges`` counts those, with locations.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from draftline import remote_code
-from draftline.chat import ChatTemplateError, EmptyLossMaskError, encode_windows
+from draftline.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
 from draftline.conversations import DataError, RecordSkip, normalize
 from draftline.data_sources import Source, select_records
 
@@ -95,6 +97,9 @@ class Tally:
     num_conversations: int = 0  # records that gave at least one sample
     num_split: int = 0  # conversations that became more than one sample
     num_truncated: int = 0  # samples cut inside an exchange
+    dropped_exchanges: int = 0  # exchanges of kept conversations whose prompt alone fills seq_length
+    dropped_exchange_conversations: int = 0
+    dropped_exchange_examples: list[str] = field(default_factory=list)
     assistant_tokens: int = 0
     kept_tokens: int = 0
 
@@ -105,6 +110,15 @@ class Tally:
             shown.append(f"{where}: {detail}")
         if role is not None:
             self.unknown_roles[role] += 1
+
+    def drop_exchanges(self, where: str, details: list[str]) -> None:
+        """Exchanges lost from a conversation that still gave samples (not a record skip)."""
+        if not details:
+            return
+        self.dropped_exchanges += len(details)
+        self.dropped_exchange_conversations += 1
+        for detail in details[: EXAMPLES_PER_REASON - len(self.dropped_exchange_examples)]:
+            self.dropped_exchange_examples.append(f"{where}: {detail}")
 
     @property
     def num_skipped(self) -> int:
@@ -129,6 +143,9 @@ class Tally:
                                                 "turns": self.leading_dropped_turns},
             "num_split_conversations": self.num_split,
             "num_truncated_samples": self.num_truncated,
+            "dropped_exchanges": {"count": self.dropped_exchanges,
+                                  "conversations": self.dropped_exchange_conversations,
+                                  "examples": self.dropped_exchange_examples},
             "num_assistant_tokens": self.assistant_tokens,
             "num_kept_assistant_tokens": self.kept_tokens,
             "assistant_tokens_kept_fraction": round(kept, 6),
@@ -145,15 +162,25 @@ def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int) -> No
     _WORKER["seq_length"] = seq_length
 
 
-def _encode_batch(batch: list[tuple[int, str, list[dict]]]) -> list[tuple]:
+def _dropped_detail(exchange: DroppedExchange, leading: int, seq_length: int) -> str:
+    """Where a dropped exchange was, in the record's own turn numbers (before dropping
+    ``leading`` assistant turns; exchanges never include the leading system turns)."""
+    first, last = exchange.start + leading, exchange.end - 1 + leading
+    return (f"exchange of turns {first}-{last} dropped: its prompt fills seq_length={seq_length} "
+            f"({exchange.num_tokens} tokens rendered alone), no reply token left")
+
+
+def _encode_batch(batch: list[tuple[int, str, list[dict], int]]) -> list[tuple]:
     """``(rank, where, outcome)`` per conversation; outcome is a skip or the windows.
 
-    Skips: ``("skip", reason, detail)``.  Samples: ``("ok", [(ids, mask, truncated)], total,
-    kept)`` with ids int32 and mask uint8 arrays (compact to send back).
+    Input: ``(rank, where, messages, leading assistant turns dropped)``.  Skips: ``("skip",
+    reason, detail)``.  Samples: ``("ok", [(ids, mask, truncated)], total, kept, dropped)``
+    with ids int32 and mask uint8 arrays (compact to send back) and one detail string per
+    dropped exchange.
     """
     tokenizer, seq_length = _WORKER["tokenizer"], _WORKER["seq_length"]
     out = []
-    for rank, where, messages in batch:
+    for rank, where, messages, leading in batch:
         try:
             windows = encode_windows(tokenizer, messages, seq_length)  # the tally adds where
         except EmptyLossMaskError as exc:
@@ -164,7 +191,9 @@ def _encode_batch(batch: list[tuple[int, str, list[dict]]]) -> list[tuple]:
             continue
         samples = [(np.asarray(s.input_ids, dtype=np.int32), np.asarray(s.loss_mask, dtype=np.uint8),
                     s.num_truncated > 0) for s in windows.samples]
-        out.append((rank, where, ("ok", samples, windows.num_assistant_tokens, windows.num_kept_tokens)))
+        dropped = [_dropped_detail(e, leading, seq_length) for e in windows.dropped_exchanges]
+        out.append((rank, where, ("ok", samples, windows.num_assistant_tokens, windows.num_kept_tokens,
+                                  dropped)))
     return out
 
 
@@ -238,7 +267,7 @@ def tokenize_source(
             if normalized.dropped_leading:
                 tally.leading_dropped_conversations += 1
                 tally.leading_dropped_turns += normalized.dropped_leading
-            batch.append((rank, where, normalized.messages))
+            batch.append((rank, where, normalized.messages, normalized.dropped_leading))
             if len(batch) == BATCH:
                 yield batch
                 batch = []
@@ -255,8 +284,9 @@ def tokenize_source(
                 if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
                     raise over_budget()
                 continue
-            _, samples, total, kept = outcome
+            _, samples, total, kept, dropped = outcome
             results[rank] = samples
+            tally.drop_exchanges(where, dropped)
             tally.num_conversations += 1
             tally.num_split += len(samples) > 1
             tally.num_truncated += sum(truncated for _, _, truncated in samples)

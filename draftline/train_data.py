@@ -317,15 +317,16 @@ class ShardSampleDataset(Dataset):
 # --------------------------------------------------------------------------- sampling
 
 
-def make_sampler(lengths: Sequence[int], max_tokens: int,
-                 seed: int) -> MultipackDistributedBatchSamplerV2:
-    """speculators' packing sampler for a single process; its order depends on seed + epoch.
+def make_sampler(lengths: Sequence[int], max_tokens: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> MultipackDistributedBatchSamplerV2:
+    """speculators' packing sampler; its order depends on seed + epoch.
 
-    Several processes (torchrun) would pass their rank and world size here: the sampler
-    already deals each rank its own packed batches.
+    ``max_tokens`` is one process's budget.  With several processes (torchrun) each passes
+    its rank: the sampler packs once for all of them and deals rank r its own batches.
     """
     return MultipackDistributedBatchSamplerV2(
-        batch_max_length=max_tokens, lengths=list(lengths), num_replicas=1, rank=0, seed=seed
+        batch_max_length=max_tokens, lengths=list(lengths), num_replicas=world_size,
+        rank=rank, seed=seed
     )
 
 

@@ -63,6 +63,7 @@ from draftline.train_data import (
     epoch_batches,
     load_split,
     load_vocab_mapping,
+    make_sampler,
     plan_steps,
     steps_in_epochs,
 )
@@ -95,9 +96,7 @@ def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: to
 def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
              world: World) -> MultipackDistributedBatchSamplerV2:
     """speculators' packing sampler; rank r of N gets its part of each global pack."""
-    return MultipackDistributedBatchSamplerV2(
-        batch_max_length=rank_tokens, lengths=list(lengths), num_replicas=world.world_size,
-        rank=world.rank, seed=seed)
+    return make_sampler(lengths, rank_tokens, seed, world.rank, world.world_size)
 
 
 def _rank_tokens(max_tokens_per_step: int, world: World) -> int:
@@ -146,13 +145,16 @@ def _prepare_model(model: Eagle3DraftModel, device: str, precision: Precision) -
     model.to(device).train()
 
 
-def _wrap(model: Eagle3DraftModel, device: str, world: World) -> torch.nn.Module:
+def _wrap(model: Eagle3DraftModel, device: str, world: World,
+          ddp: bool | None = None) -> torch.nn.Module:
     """DDP across ranks (it broadcasts rank 0's weights once); the model itself alone.
 
+    ``ddp=None`` wraps when there are several ranks; ``True`` wraps a single rank too (its
+    process group must exist), which is how the benchmark measures DDP's own cost.
     No buffer broadcast: d2t/t2d are the same on every rank and never change.  Every
     trainable parameter gets a gradient each step, so no search for unused ones.
     """
-    if not world.distributed:
+    if not (world.distributed if ddp is None else ddp):
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -273,14 +275,16 @@ class Session:
 def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
                  total_steps: int, ttt_steps: int, decay: float = 1.0,
                  precision: str = "auto", compile: bool | None = None,
-                 attention: str = "auto", world: World = World()) -> Session:
+                 attention: str = "auto", world: World = World(),
+                 ddp: bool | None = None) -> Session:
     """The draft on ``device`` with its optimizer, schedule, precision and forward mode
-    (wrapped in DDP when ``world`` has several ranks; ``device`` is this rank's)."""
+    (wrapped in DDP when ``world`` has several ranks, or when ``ddp``; ``device`` is this
+    rank's)."""
     numerics = resolve_precision(precision, device)
     _prepare_model(model, device, numerics)
     mode = _forward_mode(model, device, compile, attention)
     optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
-    return Session(_wrap(model, device, world), optimizer, scheduler, device, mode, ttt_steps,
+    return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode, ttt_steps,
                    decay, numerics, world)
 
 
@@ -350,19 +354,19 @@ def _validate(session: Session, shards: Sequence[str | Path], split_index: str |
 
 
 def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence[int],
-                draft_vocab_size: int) -> dict | None:
-    """vLLM's reading of the saved draft; None if skipped.
+                draft_vocab_size: int) -> tuple[dict | None, list[dict]]:
+    """vLLM's reading of the saved draft (None if not checked), and what was skipped and why.
 
     ``None`` checks when vLLM is installed: training hosts need not have it (the benchmark
     and GPU training environments do not), and nothing on the training path imports it.
     """
-    if check_vllm is None:
-        check_vllm = importlib.util.find_spec("vllm") is not None
-        if not check_vllm:
-            log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
-    if not check_vllm:
-        return None
-    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size)
+    what = "vLLM parse of the saved draft"
+    if check_vllm is None and importlib.util.find_spec("vllm") is None:
+        log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
+        return None, [{"what": what, "reason": "vLLM is not installed here"}]
+    if check_vllm is False:
+        return None, [{"what": what, "reason": "turned off by the caller (check_vllm=False)"}]
+    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size), []
 
 
 def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
@@ -382,7 +386,7 @@ def _summary(history: list[dict], rates: dict, start: int, stop: int, total: int
         "loss_history": [m["loss"] for m in history],
         "tokens_per_second": rates.get("tokens_per_second"),
         "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
-        "validation": {}, "draft_dir": None, "vllm": None,
+        "validation": {}, "draft_dir": None, "vllm": None, "skipped": [],
     }
 
 
@@ -411,7 +415,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
     ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
-    ``precision`` (the resolved one).
+    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one).
     """
     out = Path(out_dir)
     numerics = resolve_precision(precision, device)
@@ -444,5 +448,6 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     if not world.is_main:
         return result
     result["draft_dir"] = str(_save_draft(model, out, save_dtype))
-    result["vllm"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids, d2t.numel())
+    result["vllm"], result["skipped"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids,
+                                                    d2t.numel())
     return result

@@ -77,17 +77,12 @@ def _check_freq(freq: torch.Tensor) -> None:
 def _select_ids(freq: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """Chosen target ids, ascending ``[draft_vocab]``: most frequent first, ties to lower id.
 
-    If fewer ids were ever seen than the draft vocab holds, the rest are the
-    lowest unchosen ids, so the draft vocab always has exactly the asked size.
+    If fewer ids were ever seen than the draft vocab holds, the rest are the lowest unseen
+    ids (count 0 ties too), so the draft vocab always has exactly the asked size.
     """
     # A stable sort keeps equal counts in ascending id order, which breaks ties.
     order = torch.sort(-freq, stable=True).indices  # [target_vocab]
-    num_seen = int((freq > 0).sum())
-    chosen = order[: min(num_seen, draft_vocab_size)]
-    taken = torch.zeros(freq.numel(), dtype=torch.bool)
-    taken[chosen] = True
-    fill = (~taken).nonzero().flatten()[: draft_vocab_size - chosen.numel()]
-    return torch.sort(torch.cat([chosen, fill])).values
+    return torch.sort(order[:draft_vocab_size]).values
 
 
 def draft_vocab_mapping(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,10 @@ def read_gate(cfg: DictConfig, k: int) -> dict | None:
     return entry
 
 
+class GateFailed(RuntimeError):
+    """The trained draft is below its experiment's recorded tau floor or its baseline."""
+
+
 def apply_gate(gate: dict | None, offline: dict, gate_file: str | None, baseline: str = "bigram") -> dict:
     """Pass only when the draft's tau is at or above the recorded floor *and* its CI lies
     wholly above the ``baseline`` draft's CI on the same held-out replies: a draft collapsed
@@ -122,7 +126,7 @@ def apply_gate(gate: dict | None, offline: dict, gate_file: str | None, baseline
                         f"does not lie above the {baseline} baseline's CI "
                         f"[{base['tau_ci'][0]:.3f}, {base['tau_ci'][1]:.3f}] on the same replies")
     if failures:
-        raise AssertionError("; ".join(failures) + ": the draft regressed")
+        raise GateFailed("; ".join(failures) + ": the draft regressed")
     return verdict
 
 

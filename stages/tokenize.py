@@ -62,6 +62,10 @@ def run(cfg: DictConfig) -> dict:
     log.info("%d records -> %d samples from %d conversations, %d skipped:\n%s",
              tally.num_records, len(result.offsets) - 1, tally.num_conversations, tally.num_skipped,
              tally.table())
+    if tally.dropped_exchanges:
+        log.info("%d exchanges dropped from %d kept conversations (prompt alone fills seq_length), "
+                 "e.g. %s", tally.dropped_exchanges, tally.dropped_exchange_conversations,
+                 tally.dropped_exchange_examples[0])
     log.info("%d tokens (%d masked), %.1f%% of assistant tokens kept, draft vocab covers %.1f%% of "
              "masked tokens", len(ids), int(mask.sum()), 100 * tally.manifest()["assistant_tokens_kept_fraction"],
              100 * vocab.coverage(freq, t2d))

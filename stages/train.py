@@ -99,12 +99,11 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     return {
         "draft": str(result["draft_dir"]),
         "aux_layer_ids": list(extract["aux_layer_ids"]),
-        "metrics": {k: v for k, v in result.items() if k not in ("draft_dir",)},
+        "metrics": {k: v for k, v in result.items() if k not in ("draft_dir", "skipped")},
         "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST)},
-        # The draft's vLLM parse is skipped where vLLM is not installed (training hosts need
-        # not have it): say so where a reader of the manifest looks.
-        "skipped": [] if result.get("vllm") is not None else [
-            {"what": "vLLM parse of the saved draft", "reason": "vLLM is not installed here"}],
+        # e.g. the draft's vLLM parse where vLLM is not installed (training hosts need not
+        # have it): said where a reader of the manifest looks.
+        "skipped": result["skipped"],
     }
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from draftline import evaluation as ev
 from draftline import regeneration
-from stages.evaluate import apply_gate, check_features
+from stages.evaluate import GateFailed, apply_gate, check_features
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "tests/assets/tau_gate.json"
@@ -605,6 +605,32 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     assert "decoded 1 of 6 stored replies to other text" in vllm_failures(cfg, mismatched)[0]
 
 
+def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine():
+    """stages.evaluate.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
+    the stage's failure, in the default tier (the engine tier checks it on a real decode)."""
+    from draftline import config
+    from stages.evaluate import vllm_failures
+
+    cfg = config.compose(["experiment=tiny"])
+    good = {"on_target_text": True, "replies": 6, "text_mismatches": 0, "mismatched": [], "agrees": True,
+            "vllm": {"tau": 1.5, "acceptance": [0.4]}, "offline": {"tau": 1.5, "tau_ci": [1.4, 1.6],
+            "acceptance_ci": [[0.3, 0.5]]}, "paired_difference": {"difference": 0.0, "ci": [0.0, 0.0]}}
+    assert vllm_failures(cfg, None) == [] and vllm_failures(cfg, good) == []
+    disagrees = {**good, "agrees": False}
+    assert [f.split(" (")[0] for f in vllm_failures(cfg, disagrees)] == ["vLLM's tau 1.500"]
+    assert "disagrees with the offline estimate" in vllm_failures(cfg, disagrees)[0]
+    other_text = {**good, "text_mismatches": 1, "mismatched": [{"reply": 4}]}
+    assert vllm_failures(cfg, other_text) == [
+        "vLLM decoded 1 of 6 stored replies to other text (evaluate.vllm.max_text_mismatches=0); "
+        "first differences: [{'reply': 4}]"]
+    assert len(vllm_failures(cfg, {**disagrees, **other_text, "agrees": False})) == 2
+    # Replies the target did not write (e.g. a fixed dataset's) are not held to either rule.
+    assert vllm_failures(cfg, {**disagrees, **other_text, "agrees": False, "on_target_text": False}) == []
+    relaxed = config.compose(["experiment=tiny", "evaluate.vllm.require_agreement=false",
+                              "evaluate.vllm.max_text_mismatches=1"])
+    assert vllm_failures(relaxed, {**disagrees, **other_text, "agrees": False}) == []
+
+
 def test_offline_evaluation_refuses_features_the_draft_does_not_expect(pair):
     _, draft_dir = pair
     assert check_features(draft_dir, {"aux_layer_ids": [1, 2, 3]}) == [1, 2, 3]
@@ -719,13 +745,13 @@ def _offline(tau: float, ci: list[float], bigram_ci: list[float]) -> dict:
 def test_the_gate_fails_below_the_floor():
     assert apply_gate({"tau_min": 1.5}, _offline(1.6, [1.55, 1.65], [1.3, 1.4]), "gate.json")["passed"]
     assert not apply_gate(None, _offline(1.0, [0.9, 1.1], [1.3, 1.4]), "gate.json")["checked"]
-    with pytest.raises(AssertionError, match="below the floor"):
+    with pytest.raises(GateFailed, match="below the floor"):
         apply_gate({"tau_min": 1.5}, _offline(1.4, [1.35, 1.45], [1.0, 1.1]), "gate.json")
 
 
 def test_the_gate_fails_when_the_tau_ci_overlaps_the_bigram_ci():
     # Above the floor, but a machine where the bigram baseline does as well (CIs overlap).
-    with pytest.raises(AssertionError, match="does not lie above the bigram baseline's CI"):
+    with pytest.raises(GateFailed, match="does not lie above the bigram baseline's CI"):
         apply_gate({"tau_min": 1.5}, _offline(1.6, [1.52, 1.68], [1.45, 1.55]), "gate.json")
     verdict = apply_gate({"tau_min": 1.5}, _offline(1.6, [1.56, 1.68], [1.45, 1.55]), "gate.json")
     assert verdict["above_baseline"] and verdict["baseline_tau_ci"] == [1.45, 1.55]
@@ -759,6 +785,18 @@ def test_trained_draft_beats_both_baselines(smoke_run):
     for baseline in ("bigram", "most_frequent"):
         assert offline["eagle3"]["tau_ci"][0] > offline[baseline]["tau_ci"][1], baseline
     print({name: round(r["tau"], 3) for name, r in offline.items()})
+
+
+@pytest.mark.slow
+def test_the_gate_floor_lies_between_this_machines_draft_and_its_baseline(smoke_run):
+    """The recorded floor checked against a run measured here and now, not against the
+    numbers written into the asset: below the draft's whole tau CI (a good draft passes on
+    this machine) and above the bigram baseline's (a draft collapsed to it fails the floor
+    alone, whatever the CI rule)."""
+    floor = json.loads(GATE.read_text())["tiny-trained"]["tau_min"]
+    offline = json.loads((smoke_run / "evaluate/results.json").read_text())["offline"]
+    print(f"floor {floor}, draft tau CI {offline['eagle3']['tau_ci']}, bigram CI {offline['bigram']['tau_ci']}")
+    assert offline["bigram"]["tau_ci"][1] < floor < offline["eagle3"]["tau_ci"][0]
 
 
 @pytest.mark.slow
@@ -800,3 +838,78 @@ def test_gate_passes_the_smoke_run_and_catches_a_shuffled_d2t(smoke_run, tmp_pat
     tau = json.loads((run / "evaluate/results.json").read_text())["offline"]["eagle3"]["tau"]
     print(f"shuffled d2t: tau {tau:.3f}")
     assert tau < json.loads(GATE.read_text())["tiny-trained"]["tau_min"]
+
+
+# --------------------------------------------------------------------------- edges that mutants found
+
+
+def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
+    """A held-out reply is scored over its own window [a, b), whatever else the sample masks
+    (another turn's reply): vLLM decodes that one reply, so the walk must take its steps only."""
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    widened = [(dataclasses.replace(s, loss_mask=torch.ones_like(s.loss_mask)), a, b) for s, a, b in replies]
+    result = ev.vllm_vs_offline(widened, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    assert result["agrees"] and result["diverging_replies"] == 0
+    assert result["shared_steps"] == sum(len(s) for s in steps)
+
+
+def test_per_position_rates_of_a_single_verification_step():
+    """One verification step: each per-position rate is 0 or 1, that step's verdict (the
+    step count is floored only against zero steps)."""
+    k = 3
+    s = sample([7, 1, 2, 3, 4], [0, 1, 1, 1, 1], [1, 2, 3, 4, 5])
+    replies = ev.held_out_replies([s])
+    steps = offline_steps(replies, k)
+    assert len(steps) == 1 and len(steps[0]) == 1 and steps[0][0] > 0, steps
+    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    expected = [float(steps[0][0] >= j) for j in range(1, k + 1)]
+    assert result["vllm_unconditional"] == expected and result["offline_unconditional"] == expected
+
+
+def test_paired_ci_bounds_equal_a_plain_python_reference():
+    good = random_lengths(25, 3, seed=6, skill=0.6)
+    a = ev.Counts.from_lengths(good, 3)
+    b = ev.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    result = ev.paired_difference(a, b, "tau", 300, 0.9, 1)
+    picks = torch.randint(0, 25, (300, 25), generator=torch.Generator().manual_seed(1))
+    diffs = [float(ev._statistic(a.at_least[p].sum(0).double(), "tau")
+                   - ev._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
+    assert result["ci"] == pytest.approx([quantile(diffs, 0.05), quantile(diffs, 0.95)], abs=1e-12)
+    with pytest.raises(ValueError, match="^paired counts need the same units$"):
+        ev.paired_difference(a, ev.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
+
+
+def test_empty_walks_and_proposals_stay_integer_tensors():
+    nothing = ev.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    assert nothing.tolist() == [] and nothing.dtype == torch.long
+    assert ev.Counts.from_lengths([], 3).at_least.dtype == torch.long
+    bigram = ev.baseline_drafts(torch.tensor([0, 3, 1]), torch.ones(3, 3, dtype=torch.long))[1]
+    none = bigram.propose(sample([0, 1, 2], [1, 1, 1], [1, 2, 0]), torch.tensor([0, 1]), 0)
+    assert none.shape == (2, 0) and none.dtype == torch.long
+
+
+def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
+    """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
+    its own rows."""
+    def shard(path, ids, mask):
+        save_file({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                   "sample_offsets": torch.tensor([0, len(ids)])}, str(path))
+        return path
+
+    first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])
+    second = shard(tmp_path / "b.safetensors", [2, 3], [1, 1])
+    unigram, _ = ev.count_tokens([first, second], torch.tensor([[1, 0, 2]]), 4)
+    assert unigram.tolist() == [0, 0, 1, 1]
+
+
+def test_the_load_check_compares_in_the_saved_dtype_and_names_what_it_placed():
+    params, saved = loaded_pair()
+    saved = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in saved.items()}
+    params = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in params.items()}
+    saved["scale"], params["model.scale"] = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.5)
+    report = ev.compare_loaded(params, saved)  # vLLM holds float32 copies of bf16 saves
+    assert report["placed"] == sorted(n for n in saved if n != "t2d")
+    params["model.scale"] = torch.tensor(0.25)
+    with pytest.raises(ValueError, match="scale: vLLM holds other values"):
+        ev.compare_loaded(params, saved)

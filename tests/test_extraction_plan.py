@@ -275,3 +275,47 @@ def test_fill_commands_without_an_experiment_are_the_python_form():
         "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
         "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
     assert extraction.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
+
+
+# --------------------------------------------------------------------------- edges that mutants found
+
+
+def test_a_batch_that_fills_the_budget_exactly_closes_it():
+    assert extraction.plan_batches((0, 1, 2, 3), [5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
+
+
+def test_a_config_without_architectures_reads_as_unknown(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
+    assert extraction.read_target_shape(tmp_path).architecture == "unknown"
+
+
+def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b" / "extract"
+    free = 3 * 2**30
+    monkeypatch.setattr(extraction.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
+    assert extraction.check_disk(out, 3 * 2**20, 2**10, 1.0) == free  # exactly what is free: fits
+    assert out.is_dir()
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"{out}: 3.0 GiB free, extraction needs about 4.5 GiB (3145728 tokens x 1024 B x 1.5)")):
+        extraction.check_disk(out, 3 * 2**20, 2**10, 1.5)
+
+
+def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
+    from safetensors.torch import save_file
+
+    plan = extraction.ShardPlan(0, (3,), 2)
+    save_file({"sample_ids": torch.tensor([3])}, str(tmp_path / plan.name))
+    assert not extraction.shard_is_complete(tmp_path / plan.name, plan, "abc")
+
+
+def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
+    tensors = {"x": torch.arange(3)}
+    extraction.write_shard(tmp_path / "a.safetensors", tensors, {"fingerprint": "f", "aux": [1, 2]})
+    extraction.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], "fingerprint": "f"})
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_packed_input_ids_are_int64_whatever_the_engine_returns():
+    plan = extraction.ShardPlan(0, (1,), 2)
+    results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
+    assert extraction.pack_shard(plan, results, {1: [0, 1]}, "float32")["input_ids"].dtype == torch.int64

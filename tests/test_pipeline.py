@@ -48,6 +48,12 @@ def make(repo: Path, *targets: str, extra: str = "") -> tuple[list[str], str]:
     return ran, output
 
 
+def status_lines(output: str) -> dict[str, str]:
+    """`make status` output -> {stage: what it said}."""
+    lines = [line.strip().split(": ", 1) for line in output.splitlines() if ": " in line]
+    return {stage: said for stage, said in lines if stage in (*STAGES, "evaluate")}
+
+
 def shard_hashes(repo: Path) -> dict[str, str]:
     manifest = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
     return {s["file"]: s["sha256"] for s in manifest["shards"]}
@@ -70,6 +76,9 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
             p.name for p in (REPO / "patches").glob("*.diff"))
         assert [p["name"] for p in provenance["vllm_patches"]] == sorted(
             p.name for p in (REPO / "patches" / "vllm").glob("*.diff"))
+    # vLLM is installed here, so the saved draft's vLLM parse ran and nothing was skipped.
+    train = json.loads((repo / "runs/tiny/train/manifest.json").read_text())
+    assert train["skipped"] == [] and train["metrics"]["vllm"]["architectures"] == ["Eagle3LlamaForCausalLM"]
     extract = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
     assert extract["num_tokens"] == sum(s["tokens"] for s in extract["shards"])
     assert all(s["seconds"] > 0 and s["finished_unix"] > 0 for s in extract["shards"])
@@ -83,10 +92,17 @@ def test_second_run_is_a_no_op(repo):
 
 
 def test_train_key_reruns_only_train(repo):
+    base_lr = json.loads((repo / "runs/tiny/train/config.json").read_text())["train"]["lr"]
     ran, _ = make(repo, "all", extra="train.lr=1e-3")
     assert ran == ["train"]
-    ran, _ = make(repo, "status", extra="train.lr=1e-3")
-    ran, _ = make(repo, "all")  # back to the base config: train is stale again
+    _, output = make(repo, "status", extra="train.lr=1e-3")
+    assert status_lines(output) == {**{s: "up to date" for s in STAGES},
+                                    "evaluate": "STALE - never run (no manifest)"}
+    _, output = make(repo, "status")  # the base config again: train is stale, and says why
+    lines = status_lines(output)
+    assert lines["train"] == f"STALE - config train.lr: 0.001 -> {json.dumps(base_lr)}"
+    assert lines["prepare"] == "up to date"
+    ran, _ = make(repo, "all")
     assert ran == ["train"]
 
 

@@ -136,3 +136,53 @@ def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
     assert index["validation"].tolist() == [[0, 0, 7]]
     write_index(tmp_path / "empty.safetensors", train, [])
     assert load_file(str(tmp_path / "empty.safetensors"))["validation"].shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- edges that mutants found
+
+
+def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
+    import hashlib
+
+    from draftline.preparation import split_rows
+
+    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
+    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
+    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
+    assert [r[1] for r in validation] == by_hash[:3]
+    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.preparation import validate_shard, write_index
+
+    path = tmp_path / "one.safetensors"
+    save_file({"hidden_states": torch.zeros(3, 2, 4), "input_ids": torch.arange(3),
+               "loss_mask": torch.ones(3, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 1, 3]),
+               "sample_ids": torch.tensor([5, 6])}, str(path))
+    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
+    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert index["validation"].dtype == torch.int64 and index["validation"].shape == (0, 3)
+
+
+def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
+    """Exactly min_validation samples won the coin: they are the validation split as drawn, in
+    the rows' order (the lowest-hash fallback is only for fewer)."""
+    import hashlib
+
+    from draftline.preparation import split_rows
+
+    def coin(seed, i):
+        return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
+
+    for seed in range(100):  # a seed whose two lowest coins are not in sample order
+        lowest = sorted(range(15), key=lambda i: coin(seed, i))
+        if lowest[0] > lowest[1]:
+            break
+    fraction = (coin(seed, lowest[1]) + coin(seed, lowest[2])) / 2  # exactly two win
+    _, validation = split_rows(rows(15), fraction, seed=seed, min_validation=2)
+    assert [r[1] for r in validation] == sorted(lowest[:2])

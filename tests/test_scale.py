@@ -158,6 +158,67 @@ def test_killed_rank_ends_the_run_with_its_traceback_and_resumes_on_one_process(
     assert metrics["resumed_from"] >= 2
 
 
+def bench_record(world_size: int, ddp: bool, tokens_per_second: float) -> dict:
+    """A --results record of one run, as far as print_ratios reads it."""
+    return {"world_size": world_size, "ddp": ddp, "dims": {"hidden": 64},
+            "runs": {"fp32 resident": {"tokens_per_second": tokens_per_second}}}
+
+
+def test_benchmark_total_is_every_rank_over_the_slowest_and_ratio_is_against_the_baseline(
+        capsys):
+    from benchmarks.train import RunResult, combine, print_ratios
+
+    fast = RunResult("bf16 disk", tokens=900, positions=1000, flops=5.0, seconds=1.0,
+                     step_ms=[400.0, 600.0], peak_gib=10.0, loss=2.0, rank=0)
+    slow = RunResult("bf16 disk", tokens=800, positions=1000, flops=5.0, seconds=2.0,
+                     step_ms=[700.0, 500.0], peak_gib=12.0, loss=2.0, rank=1)
+    total = combine([fast, slow])
+    assert total.tokens_per_second == 850.0  # 1700 tokens over the slower rank's 2 s
+    assert total.step_ms == [700.0, 600.0] and total.peak_gib == 12.0 and total.rank is None
+    print_ratios(bench_record(2, True, 190.0), bench_record(1, False, 100.0))
+    assert "2 / 1 process(es) (DDP / plain) tokens/s: 1.900x, scaling efficiency 95.0%" \
+        in capsys.readouterr().out
+    with pytest.raises(ValueError, match="other dimensions"):
+        print_ratios(bench_record(2, True, 190.0), {**bench_record(1, False, 100.0),
+                                                     "dims": {"hidden": 128}})
+
+
+@pytest.mark.slow
+def test_benchmark_runs_ddp_under_torchrun_with_gloo_each_rank_on_its_share(tmp_path):
+    """python -m benchmarks.train --gpus 2 on CPU: the launcher's torchrun (gloo, NVLink
+    multicast off), one DDP rank per process, each reading its own rows of the shards, a
+    total and a ratio against a baseline record."""
+    baseline = tmp_path / "one.json"
+    baseline.write_text(json.dumps({
+        "world_size": 1, "ddp": False,
+        "dims": {"hidden": 64, "intermediate": 224, "heads": 1, "kv_heads": 1, "head_dim": 64,
+                 "vocab": 512, "draft_vocab": 128, "layers": 1, "ttt": 3},
+        "runs": {"fp32 resident": {"tokens_per_second": 1.0},
+                 "fp32 disk": {"tokens_per_second": 1.0}}}))
+    results = tmp_path / "two.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train", "--device", "cpu", "--gpus", "2",
+         "--hidden", "64", "--vocab", "512", "--draft-vocab", "128", "--tokens-per-step", "256",
+         "--steps", "2", "--warmup", "1", "--disk-tokens", "2048", "--collective-timeout-s",
+         "120", "--results", str(results), "--baseline", str(baseline)],
+        cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=2 * LAUNCH_TIMEOUT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    record = json.loads(results.read_text())
+    assert record["world_size"] == 2 and record["ddp"], record
+    assert record["env"] == launch.NO_MULTICAST
+    for name, run in record["runs"].items():
+        ranks = run["ranks"]
+        assert len(ranks) == 2, name
+        assert run["tokens"] == sum(r["tokens"] for r in ranks) > 0
+        assert f"{name} r1" in output
+        # Baseline of 1 tok/s: the printed ratio is the total itself.
+        assert f"{name}: 2 / 1 process(es) (DDP / plain) tokens/s: " \
+               f"{run['tokens_per_second']:.3f}x" in output, output
+    rows = [set(r["samples"]) for r in record["runs"]["fp32 disk"]["ranks"]]
+    assert all(rows) and not rows[0] & rows[1], rows  # each rank its own share
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_ends_the_run_without_a_manifest(prepared, tmp_path):
     """A rank that cannot print anything (SIGKILL): torchrun names it and ends the others."""

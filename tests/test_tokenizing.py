@@ -45,9 +45,56 @@ def test_quirk_set_skip_table_and_fixes(model_dir):
     # lines 2 and 3 start with the assistant: kept, 1 + 2 leading turns dropped
     assert tally["leading_assistant_turns_dropped"] == {"conversations": 2, "turns": 3}
     assert tally["num_records"] == 19 and tally["num_conversations"] == 10
-    # line 16's first exchange alone is over 256 tokens: the later exchange is kept on its own
+    # line 16's first exchange alone is over 256 tokens: the later exchange is kept on its own,
+    # the dropped one is counted with its location (the conversation itself is not a skip)
     assert tally["num_split_conversations"] == 1
+    assert tally["dropped_exchanges"]["count"] == 1 and tally["dropped_exchanges"]["conversations"] == 1
+    assert tally["dropped_exchanges"]["examples"][0].startswith(
+        f"{QUIRKS}:16: exchange of turns 0-1 dropped: its prompt fills seq_length=256")
     assert 0.5 < tally["assistant_tokens_kept_fraction"] < 1.0
+
+
+def test_dropped_exchanges_are_counted_in_source_turn_numbers(model_dir, tmp_path):
+    long = "Read this log line by line and tell me what went wrong with the job. " * 30
+    short = [{"from": "human", "value": "And now?"}, {"from": "gpt", "value": "Fixed."}]
+    records = [  # 1 leading assistant turn dropped, so the long exchange is turns 1-2 of the record
+        {"conversations": [{"from": "gpt", "value": "...as I said."}, {"from": "human", "value": long},
+                           {"from": "gpt", "value": "Out of memory."}, *short]},
+        {"conversations": [*short, {"from": "human", "value": long}, {"from": "gpt", "value": "OK."},
+                           {"from": "human", "value": long}, {"from": "gpt", "value": "Same."}]},
+    ]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tally = run(model_dir, data, budget=0, seq_length=128).tally
+    assert tally.num_conversations == 2 and tally.num_skipped == 0
+    assert (tally.dropped_exchanges, tally.dropped_exchange_conversations) == (3, 2)
+    assert [e.split(" dropped")[0] for e in tally.dropped_exchange_examples] == [
+        f"{data}:1: exchange of turns 1-2", f"{data}:2: exchange of turns 2-3",
+        f"{data}:2: exchange of turns 4-5"]
+    assert tally.kept_tokens < tally.assistant_tokens
+
+
+# Many real templates refuse a system turn anywhere but first (quirk line 18 has one).
+SYSTEM_FIRST_ONLY = (
+    "{%- for message in messages -%}{%- if message['role'] == 'system' and not loop.first -%}"
+    "{{- raise_exception('System message must be at the beginning.') -}}{%- endif -%}{%- endfor -%}"
+)
+
+
+def test_template_failure_is_a_counted_skip(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = SYSTEM_FIRST_ONLY + tokenizer.chat_template
+    strict = tmp_path / "strict"
+    tokenizer.save_pretrained(str(strict))
+    tally = run(strict, QUIRKS).tally.manifest()
+    assert tally["skipped"]["template_error"] == {"count": 1, "examples": [
+        f"{QUIRKS}:18: conversation: chat template failed on messages[:5] (add_generation_prompt="
+        "False): TemplateError: System message must be at the beginning."]}
+    assert tally["num_skipped"] == 10 and tally["num_conversations"] == 9
+    with pytest.raises(DataError, match=rf"10 of \d+ records skipped.*\n(.*\n)*  template_error .*{QUIRKS}:18"):
+        run(strict, QUIRKS, budget=9)
 
 
 def test_budget_as_count_and_fraction(model_dir):

@@ -8,6 +8,8 @@ index and a vocab mapping.
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ from draftline.train_checkpoint import latest_checkpoint
 from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
 from draftline.training import train
 
+REPO = Path(__file__).resolve().parents[1]
 AUX_IDS = [2, 3, 4]
 NUM_LAYERS = 6
 VOCAB, DRAFT_VOCAB, HIDDEN = 512, 128, 256
@@ -368,13 +371,37 @@ def test_saved_draft_config_and_vllm(data, uninterrupted):
     assert "verifier_lm_head.weight" not in weights
     expected = {"architectures": ["Eagle3LlamaForCausalLM"],
                 "eagle_aux_hidden_state_layer_ids": AUX_IDS, "draft_vocab_size": DRAFT_VOCAB}
-    assert result["vllm"] == expected
+    assert result["vllm"] == expected and result["skipped"] == []
     assert check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
     # What vLLM reads is compared, not only parsed: other ids or another vocabulary size fail.
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
         check_draft_with_vllm(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
         check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
+
+
+def test_a_vllm_parse_that_did_not_run_is_listed_as_skipped(data, tmp_path):
+    """On a training host without vLLM the draft's parse cannot run: the result (and so the
+    train manifest) lists it under ``skipped`` with why, rather than only logging it."""
+    paths = {k: [str(p) for p in v] if k == "shards" else str(data[k])
+             for k, v in data.items() if k in ("shards", "small", "vocab", "verifier")}
+    script = f"""
+import json, sys
+sys.modules["vllm"] = None  # as where vLLM is not installed: find_spec finds nothing
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_training
+result = test_training._train({paths!r}, {str(tmp_path / "absent")!r}, "small", steps=2,
+                              check_vllm=None)
+print(json.dumps({{"vllm": result["vllm"], "skipped": result["skipped"]}}))
+"""
+    child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-3000:]
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    assert seen == {"vllm": None, "skipped": [{"what": "vLLM parse of the saved draft",
+                                               "reason": "vLLM is not installed here"}]}
+    turned_off = _train(data, tmp_path / "off", "small", steps=2)  # check_vllm=False
+    assert turned_off["vllm"] is None
+    assert [s["reason"] for s in turned_off["skipped"]] == ["turned off by the caller (check_vllm=False)"]
 
 
 def test_a_draft_config_vllm_would_read_otherwise_is_refused(uninterrupted, tmp_path):
