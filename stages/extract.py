@@ -20,6 +20,9 @@ from draftline.samples import read_samples
 from draftline.stage import run_stage
 
 log = logging.getLogger("draftline.extract")
+# The target's per-file sha256 by size and mtime, so a large target is read once, not per run
+# (a dot file: never an output, never compared by `make reproduce`).
+TARGET_DIGEST_CACHE = ".target-sha256.json"
 
 
 def preflight(cfg: DictConfig, lengths: list[int]) -> extraction.TargetShape:
@@ -73,13 +76,23 @@ def make_generator(cfg: DictConfig):
     )
 
 
-def shard_fingerprint(cfg: DictConfig, regenerate_manifest: dict, samples_path: Path) -> str:
-    """What a shard on disk must have been made from to be reused: the samples (their bytes and
-    the config that made them) and the whole resolved extract config."""
+# Keys that say where the target lives or how it was made (its files' content stands for them),
+# or that only check the run: they change no byte of a shard.
+NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code"),
+                      "extract": ("disk_headroom",)}
+
+
+def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:
+    """What a shard on disk must have been made from to be reused, and what its header holds:
+    the samples' bytes, the target's files (their content), and the model and extract keys that
+    shape the tensors. No path, time or host enters it, so the same inputs give byte-identical
+    shards in any run dir and on any machine."""
+    resolved = config.stage_config(cfg, "extract")
     return artifacts.config_hash({
-        "regenerate": regenerate_manifest["provenance"]["config_sha256"],
         "samples": artifacts.sha256_file(samples_path),
-        "extract": config.stage_config(cfg, "extract"),
+        "target": extraction.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
+        **{group: {key: value for key, value in resolved[group].items() if key not in skipped}
+           for group, skipped in NOT_IN_SHARD_BYTES.items()},
     })
 
 
@@ -103,7 +116,7 @@ def run(cfg: DictConfig) -> dict:
 
     plans = extraction.plan_shards(lengths, int(cfg.extract.shard_tokens))
     remove_unplanned(out_dir, plans)
-    fingerprint = shard_fingerprint(cfg, regenerate_manifest, samples_path)
+    fingerprint = shard_fingerprint(cfg, samples_path)
     pending = [p for p in plans if not extraction.shard_is_complete(out_dir / p.name, p, fingerprint)]
     num_slots = len(cfg.model.aux_layer_ids) + 1
     per_token = extraction.bytes_per_token(num_slots, shape.hidden_size, cfg.extract.save_dtype)
