@@ -25,6 +25,11 @@ STAGE_KEYS = {
     "report": ("report", "numerics"),
 }
 
+# Keys that say where and on how many processes a stage runs, not what it computes (a run
+# resumes on another number of GPUs): left out of the stage's stamp and recorded config, so
+# switching GPUS=1 to GPUS=8 reruns nothing; the manifest records them apart (`launch`).
+LAUNCH_KEYS = {"train": ("gpus", "nodes", "rendezvous", "collective_timeout_s")}
+
 
 def compose(overrides: list[str]) -> DictConfig:
     """The root config for these overrides (the same tree a stage's @hydra.main gets)."""
@@ -57,6 +62,8 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     if stage not in STAGE_KEYS:
         raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
     resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
+    for group, keys in launch_config(cfg, stage).items():
+        resolved[group] = {key: value for key, value in resolved[group].items() if key not in keys}
     resolved["run_dir"] = str(cfg.run_dir)
     if stage == "regenerate":  # which layers extract captures does not change the replies
         del resolved["model"]["aux_layer_ids"]
@@ -68,6 +75,13 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     if stage in ("regenerate", "extract"):
         resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
     return resolved
+
+
+def launch_config(cfg: DictConfig, stage: str) -> dict[str, dict]:
+    """The launch keys (LAUNCH_KEYS) of the groups ``stage`` reads, with their values."""
+    return {group: {key: OmegaConf.to_container(cfg, resolve=True)[group][key] for key in keys
+                    if key in cfg[group]}
+            for group, keys in LAUNCH_KEYS.items() if group in STAGE_KEYS[stage]}
 
 
 def stage_files(cfg: DictConfig, stage: str) -> list[str]:
