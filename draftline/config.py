@@ -24,10 +24,13 @@ STAGE_KEYS = {
     "evaluate": ("model", "evaluate", "seed", "numerics"),
     "report": ("report", "numerics"),
 }
-# Where and by how many processes a stage's work runs, not what it makes: out of its stamp,
-# manifest and shard fingerprint, so `make extract SHARD=i/N` or extract.replicas=8 after a
-# one-engine run reruns nothing (and nothing downstream). train.gpus stays in train's stamp.
-LAUNCH_KEYS = {"extract": ("replicas", "shard")}
+# Keys that say where and on how many processes a stage runs, not what it computes (a run
+# resumes on another number of GPUs; shards are the same bytes whichever process made them):
+# left out of the stage's stamp, recorded config and shard fingerprint, so switching GPUS=1 to
+# GPUS=8, or one extraction engine to `extract.replicas=8` or `SHARD=i/N`, reruns nothing; the
+# manifest records them apart (`launch`).
+LAUNCH_KEYS = {"extract": ("replicas", "shard"),
+               "train": ("gpus", "nodes", "rendezvous", "collective_timeout_s")}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -61,9 +64,9 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     if stage not in STAGE_KEYS:
         raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
     resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
+    for group, keys in launch_config(cfg, stage).items():
+        resolved[group] = {key: value for key, value in resolved[group].items() if key not in keys}
     resolved["run_dir"] = str(cfg.run_dir)
-    for key in LAUNCH_KEYS.get(stage, ()):
-        del resolved[stage][key]
     if stage == "regenerate":  # which layers extract captures does not change the replies
         del resolved["model"]["aux_layer_ids"]
     if stage == "tokenize":
@@ -74,6 +77,13 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     if stage in ("regenerate", "extract"):
         resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
     return resolved
+
+
+def launch_config(cfg: DictConfig, stage: str) -> dict[str, dict]:
+    """The launch keys (LAUNCH_KEYS) of the groups ``stage`` reads, with their values."""
+    return {group: {key: OmegaConf.to_container(cfg, resolve=True)[group][key] for key in keys
+                    if key in cfg[group]}
+            for group, keys in LAUNCH_KEYS.items() if group in STAGE_KEYS[stage]}
 
 
 def stage_files(cfg: DictConfig, stage: str) -> list[str]:

@@ -9,6 +9,7 @@ inside `extract_shards`) imports vLLM.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -88,6 +89,37 @@ def read_target_shape(model_dir: str | Path) -> TargetShape:
         hidden_size=int(text["hidden_size"]),
         architecture=(config.get("architectures") or ["unknown"])[0],
     )
+
+
+# Files of a model directory that record how the project built it (with timings), not what the
+# target computes: left out of its digest.
+BUILD_RECORDS = ("build.json",)
+
+
+def target_digest(model_dir: str | Path, cache_path: Path) -> str:
+    """sha256 over the target's files: relative names and content, hidden files (download
+    caches, with their timestamps) and build records left out. Where the directory is, and when
+    its files were written, do not enter it. ``cache_path`` keeps each file's sha256 under its
+    path, size and mtime, so an unchanged target is hashed once, not on every run."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"target model directory not found: {root}")
+    cache = read_json(cache_path) if cache_path.exists() else {}
+    seen, digest = {}, hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or rel.name in BUILD_RECORDS:
+            continue
+        stat = path.stat()
+        key = str(path.resolve())
+        size_mtime = [stat.st_size, stat.st_mtime_ns]
+        entry = cache.get(key)
+        file_sha = entry[1] if entry and entry[0] == size_mtime else sha256_file(path)
+        seen[key] = [size_mtime, file_sha]
+        digest.update(rel.as_posix().encode() + b"\0" + file_sha.encode())
+    if seen != cache:
+        write_json(cache_path, seen)
+    return digest.hexdigest()
 
 
 def check_layer_ids(aux_layer_ids: list[int], shape: TargetShape) -> None:

@@ -9,9 +9,10 @@
 2. Refuses (exit 2) when the revision, a lock or a patch queue differs, unless ``--force``.
 3. Re-runs each recorded stage as its own process (``python -m stages.<stage>``), with the
    resolved config its manifest recorded (not today's conf/ defaults; a thread count left to
-   torch's default becomes the recorded count), into ``runs/<exp>-reproduce/``. Project-built
-   inputs (the embedded data, tiny targets) are rebuilt; a user's data file is found by its
-   recorded sha256 (at its path, under FROM, runs/_assets or ``--search`` dirs).
+   torch's default is set to the recorded count where this machine's default differs), into
+   ``runs/<exp>-reproduce/``. Project-built inputs (the embedded data, tiny targets) are
+   rebuilt; a user's data file is found by its recorded sha256 (at its path, under FROM,
+   runs/_assets or ``--search`` dirs).
 4. Compares each stage's output files: identical bytes; or the same tensors within
    ``--atol`` (safetensors: max abs diff) / the same tau within ``--tau-tol`` (evaluate); or
    differs. Exits 1 when a stage that is deterministic on this platform differs.
@@ -135,9 +136,13 @@ def find_by_hash(recorded_path: str, sha256: str, search: list[Path]) -> Path:
                             f"under {[str(s) for s in search]}: copy it there or pass --search DIR")
 
 
-def replay_config(stage: str, manifest: dict, exp: str, run_dir: Path, data_path: Path | None):
+def replay_config(stage: str, manifest: dict, exp: str, run_dir: Path, data_path: Path | None,
+                  default_threads: int):
     """The root config for replaying ``stage``: ``experiment=exp`` composed, then every group
-    the stage reads replaced by what its manifest recorded."""
+    the stage reads replaced by what its manifest recorded. A thread count the run left to
+    torch's default stays left to it when that default here (``default_threads``) is the count
+    the run recorded, so the replay's config is the run's own; otherwise the recorded count is
+    set explicitly."""
     from omegaconf import OmegaConf
 
     recorded = json.loads(json.dumps(manifest["provenance"]["config"]))
@@ -147,8 +152,9 @@ def replay_config(stage: str, manifest: dict, exp: str, run_dir: Path, data_path
         if key in recorded:
             cfg[key] = _merged(cfg.get(key), recorded[key])
     numerics = cfg.setdefault("numerics", {"deterministic": True})
-    if numerics.get("torch_threads") is None:  # torch's default then: replay the recorded count
-        numerics["torch_threads"] = (manifest["provenance"].get("numerics") or {}).get("torch_threads")
+    recorded_threads = (manifest["provenance"].get("numerics") or {}).get("torch_threads")
+    if numerics.get("torch_threads") is None and recorded_threads != default_threads:
+        numerics["torch_threads"] = recorded_threads
     if stage == "tokenize" and data_path is not None:
         cfg["data"]["path"], cfg["data"]["build"] = str(data_path), None
     cfg["exp"], cfg["run_dir"] = exp, str(run_dir)
@@ -329,6 +335,7 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
     if out.resolve() == from_dir.resolve():
         raise ValueError(f"{from_dir} is a replay dir itself; copy it elsewhere to replay it")
     device = "cpu" if now["gpu"] == "none" else "cuda"
+    default_threads = int(now["torch threads"])  # this process applies no numerics config
     verdicts = []
     for stage, manifest in manifests.items():
         data = None
@@ -336,7 +343,7 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
             inputs = manifest["inputs"]
             data = find_by_hash(inputs["data"], inputs["data_sha256"],
                                 [from_dir, Path("runs/_assets"), *search])
-        cfg = replay_config(stage, manifest, exp, out, data)
+        cfg = replay_config(stage, manifest, exp, out, data, default_threads)
         ensure_target(cfg, exp)
         if stage == "tokenize" and cfg["data"].get("build"):
             from draftline import embedded

@@ -53,7 +53,8 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
     fields["wall_seconds"] = round(time.monotonic() - start, 3)
     path = artifacts.write_manifest(stage_dir, resolved, stage=stage, **fields,
                                     extra_provenance={"exp": str(cfg.exp), "numerics": numerics.describe(applied),
-                                                      "deps": recorded})
+                                                      "deps": recorded,
+                                                      "launch": config.launch_config(cfg, stage)})
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
 
 

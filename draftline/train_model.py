@@ -209,13 +209,15 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
 
     ``eagle_aux_hidden_state_layer_ids`` is set explicitly: it is the top-level key vLLM 0.16
     copies into the draft's hf_config, which then tells the target which layers to tap.
-    The verifier's real ``architectures`` go into ``speculators_config.verifier``.
+    The verifier's real ``architectures`` go into ``speculators_config.verifier``, with its
+    path as given (the run's ``model.path``), not made absolute: the saved config.json then
+    holds no path of the machine that trained it (evaluate and serve name the target anyway).
     """
     info = read_verifier(verifier_dir)
     if len(aux_layer_ids) != NUM_AUX_LAYERS:
         raise ValueError(f"EAGLE-3 drafts take {NUM_AUX_LAYERS} aux layers, got {aux_layer_ids}")
     check_layer_ids(list(aux_layer_ids), read_target_shape(info.path))
-    verifier = VerifierConfig(name_or_path=str(info.path), architectures=info.architectures)
+    verifier = VerifierConfig(name_or_path=str(verifier_dir), architectures=info.architectures)
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=draft_layer_config(
             info.text, num_layers, intermediate_size, head_dim, rope_scaling),

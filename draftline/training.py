@@ -44,6 +44,7 @@ import dataclasses
 import datetime
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -290,13 +291,18 @@ def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_step
 
 def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
               vocab_mapping: str | Path, verifier_dir: str | Path,
-              aux_layer_ids: Sequence[int], **hyper) -> dict:
-    """Everything that shapes the result; a checkpoint resumes only the same spec."""
+              aux_layer_ids: Sequence[int], out: Path, **hyper) -> dict:
+    """Everything that shapes the result; a checkpoint resumes only the same spec. Inputs are
+    named relative to ``out`` (the checkpoints' own run), so a run dir copied to another
+    path or machine, with its inputs beside it as before, writes the same state and resumes."""
+    def where(path: str | Path) -> str:
+        return os.path.relpath(Path(path).absolute(), out.absolute())
+
     return {
-        "shards": [str(Path(s).absolute()) for s in shards],
-        "split_index": str(Path(split_index).absolute()),
-        "vocab_mapping": str(Path(vocab_mapping).absolute()),
-        "verifier_dir": str(Path(verifier_dir).absolute()),
+        "shards": [where(s) for s in shards],
+        "split_index": where(split_index),
+        "vocab_mapping": where(vocab_mapping),
+        "verifier_dir": where(verifier_dir),
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
         **hyper,
     }
@@ -426,7 +432,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     sampler = _sampler(train_set.lengths, rank_tokens, seed, world)
     total = _total_steps(sampler, steps, epochs)
     warmup = total // 100 if warmup_steps is None else warmup_steps
-    spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids,
+    spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids, out,
                      total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
                      ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
                      max_tokens_per_step=max_tokens_per_step, precision=numerics.name)

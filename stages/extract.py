@@ -40,6 +40,9 @@ from draftline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
 REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by its parent
+# The target's per-file sha256 by size and mtime, so a large target is read once, not per run
+# (a dot file: never an output, never compared by `make reproduce`).
+TARGET_DIGEST_CACHE = ".target-sha256.json"
 
 
 def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> extraction.TargetShape:
@@ -114,13 +117,23 @@ def make_generator(cfg: DictConfig):
     )
 
 
-def shard_fingerprint(cfg: DictConfig, regenerate_manifest: dict, samples_path: Path) -> str:
-    """What a shard on disk must have been made from to be reused: the samples (their bytes and
-    the config that made them) and the whole resolved extract config."""
+# Keys that say where the target lives or how it was made (its files' content stands for them),
+# or that only check the run: they change no byte of a shard.
+NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code"),
+                      "extract": ("disk_headroom",)}
+
+
+def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:
+    """What a shard on disk must have been made from to be reused, and what its header holds:
+    the samples' bytes, the target's files (their content), and the model and extract keys that
+    shape the tensors. No path, time or host enters it, so the same inputs give byte-identical
+    shards in any run dir and on any machine."""
+    resolved = config.stage_config(cfg, "extract")
     return artifacts.config_hash({
-        "regenerate": regenerate_manifest["provenance"]["config_sha256"],
         "samples": artifacts.sha256_file(samples_path),
-        "extract": config.stage_config(cfg, "extract"),
+        "target": extraction.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
+        **{group: {key: value for key, value in resolved[group].items() if key not in skipped}
+           for group, skipped in NOT_IN_SHARD_BYTES.items()},
     })
 
 
@@ -155,7 +168,7 @@ def read_inputs(cfg: DictConfig, replicas: int | None = 1) -> Inputs:
     shape = preflight(cfg, lengths, replicas)
     return Inputs(config.stage_dir(cfg, "extract"), regenerate_dir, samples, masks, shape,
                   extraction.plan_shards(lengths, int(cfg.extract.shard_tokens)),
-                  shard_fingerprint(cfg, regenerate_manifest, samples_path))
+                  shard_fingerprint(cfg, samples_path))
 
 
 def shard_metadata(cfg: DictConfig, inputs: Inputs) -> dict[str, str]:

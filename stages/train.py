@@ -28,8 +28,6 @@ from draftline import artifacts, config, launch
 from draftline.stage import run_stage
 
 log = logging.getLogger("draftline.train")
-# Where and how many processes run, not what they compute: left out of the run key.
-LAUNCH_KEYS = ("gpus", "nodes", "rendezvous", "collective_timeout_s")
 
 
 def pick_device(requested: str, local_rank: int = 0) -> str:
@@ -58,12 +56,19 @@ def vocab_path(cfg: DictConfig) -> Path:
 
 def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
     """One folder per (config, data): checkpoints resume only into the run that made them,
-    and switching a key back resumes the earlier run instead of discarding it."""
-    train_cfg = config.stage_config(cfg, "train")
-    train_cfg["train"] = {k: v for k, v in train_cfg["train"].items() if k not in LAUNCH_KEYS}
+    and switching a key back resumes the earlier run instead of discarding it. The data is
+    named by content (the split index, the shards' recorded sha256, the vocab mapping), never
+    by the run dir or a manifest (its hosts and wall times): the same run in another run dir,
+    on another machine or in a `make reproduce` replay gets the same key."""
+    train_cfg = config.stage_config(cfg, "train")  # without the launch keys (config.LAUNCH_KEYS)
+    del train_cfg["run_dir"]
+    prepared = artifacts.read_manifest(prepare_dir)
+    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
     return artifacts.config_hash({
         "train": train_cfg,
-        "prepare": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST),
+        "index": artifacts.sha256_file(prepare_dir / prepared["index"]),
+        "shards": [shard["sha256"] for shard in extract["shards"]],
+        "vocab": artifacts.sha256_file(vocab_path(cfg)),
     })[:12]
 
 

@@ -61,3 +61,16 @@ def test_stamp_is_rewritten_only_when_it_changes(tmp_path: Path):
     assert not artifacts.write_stamp(stamp, {"a": 1})
     assert stamp.stat().st_mtime_ns == before
     assert artifacts.write_stamp(stamp, {"a": 2})
+
+
+def test_launch_keys_change_no_stamp_and_are_recorded_apart():
+    """GPUS=1 -> GPUS=8 (train.gpus) says where the draft trains, not what it learns: no stage's
+    stamp moves, so `make` retrains nothing; the values are still at hand for the manifest."""
+    base = config.compose(config.experiment_overrides("tiny", []))
+    launched = config.compose(config.experiment_overrides(
+        "tiny", ["train.gpus=8", "train.nodes=2", "train.rendezvous=host:29500", "train.collective_timeout_s=60"]))
+    assert [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(launched, s)] == []
+    assert "gpus" not in config.stage_config(launched, "train")["train"]
+    assert config.launch_config(launched, "train") == {"train": {
+        "gpus": 8, "nodes": 2, "rendezvous": "host:29500", "collective_timeout_s": 60}}
+    assert config.launch_config(launched, "extract") == {"extract": {"replicas": 1, "shard": None}}

@@ -9,7 +9,9 @@ tests/test_stages.py.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,31 +159,80 @@ def test_identical_shards_are_byte_identical_files(tmp_path):
 
 
 @pytest.mark.parametrize("change", ["extract.save_dtype=float32", "model.aux_layer_ids=[1,2,3]",
-                                    "extract.max_model_len=2048", "model.dtype=bfloat16"])
+                                    "extract.max_model_len=2048", "model.dtype=bfloat16",
+                                    "extract.max_num_batched_tokens=1024"])
 def test_an_extract_config_change_invalidates_every_shard(model_dir, tmp_path, change):
-    """A change of any extract or model key changes the fingerprint, so no shard made with the
-    old config is reused (the whole run re-extracts; `make` reruns extract for the same reason)."""
+    """A change of a model or extract key that shapes the tensors changes the fingerprint, so
+    no shard made with the old config is reused (`make` reruns extract for the same reason)."""
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
-    manifest = {"provenance": {"config_sha256": "r" * 64}}
     run = f"run_dir={tmp_path}"
-    before = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
-    assert before == extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
-    after = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, change), manifest, samples)
+    before = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    assert before == extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    after = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, change), samples)
     assert after != before
     plan = extraction.ShardPlan(0, (0,), 2)
     write_planned_shard(tmp_path / plan.name, plan, before)
     assert not extraction.shard_is_complete(tmp_path / plan.name, plan, after)
 
 
-def test_other_samples_or_replies_invalidate_the_shards(model_dir, tmp_path):
+def test_other_samples_or_another_target_invalidate_the_shards(model_dir, tmp_path):
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path}")
-    base = extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "r"}}, samples)
-    assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "s"}}, samples) != base
+    base = extract_stage.shard_fingerprint(cfg, samples)
     samples.write_bytes(b"samplez")
-    assert extract_stage.shard_fingerprint(cfg, {"provenance": {"config_sha256": "r"}}, samples) != base
+    assert extract_stage.shard_fingerprint(cfg, samples) != base
+    samples.write_bytes(b"samples")
+    other = shutil.copytree(model_dir, tmp_path / "other-target")
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight: same size, same names
+    weights.write_bytes(bytes(data))
+    assert extract_stage.shard_fingerprint(tiny_cfg(other, f"run_dir={tmp_path}"), samples) != base
+
+
+def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shards(model_dir, tmp_path):
+    """Nothing about where a run lives or when its target was written enters a shard: the
+    target copied elsewhere (new path, new mtimes, a download cache and a build record beside
+    it) and another run dir give the same fingerprint, so the stage writes the same bytes
+    (the host and the image, a run and its `make reproduce` replay); a key that does not
+    shape the tensors (the disk headroom) leaves it alone."""
+    samples = tmp_path / "samples.safetensors"
+    samples.write_bytes(b"samples")
+    first = extract_stage.shard_fingerprint(tiny_cfg(model_dir, f"run_dir={tmp_path / 'a'}"), samples)
+    copy = shutil.copytree(model_dir, tmp_path / "elsewhere" / "target", copy_function=shutil.copy)
+    os.utime(copy / "config.json", ns=(1, 1))
+    (copy / ".cache").mkdir()
+    (copy / ".cache" / "download.metadata").write_text("etag, fetched at 12:00")
+    (copy / "build.json").write_text('{"seconds": 189.1}')
+    elsewhere = tiny_cfg(copy, f"run_dir={tmp_path / 'elsewhere' / 'b'}", "extract.disk_headroom=2")
+    second = extract_stage.shard_fingerprint(elsewhere, samples)
+    assert second == first
+    plan = extraction.ShardPlan(0, (1, 2), 4)
+    for run in ("a", "elsewhere/b"):
+        write_planned_shard(tmp_path / run / plan.name, plan, first if run == "a" else second)
+    assert (tmp_path / "a" / plan.name).read_bytes() == (tmp_path / "elsewhere/b" / plan.name).read_bytes()
+    # The per-file hashes are cached by path, size and mtime, and only content reaches the digest.
+    cache = tmp_path / "elsewhere" / "b" / "extract" / extract_stage.TARGET_DIGEST_CACHE
+    assert sorted(Path(p).name for p in artifacts.read_json(cache)) == sorted(
+        p.name for p in model_dir.iterdir() if p.name != "build.json")
+    assert extract_stage.shard_fingerprint(elsewhere, samples) == first
+
+
+def test_the_target_digest_reads_a_file_again_once_its_size_or_mtime_moves(model_dir, tmp_path):
+    copy = shutil.copytree(model_dir, tmp_path / "target")
+    cache = tmp_path / "cache.json"
+    base = extraction.target_digest(copy, cache)
+    weights = copy / "model.safetensors"
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert extraction.target_digest(copy, cache) != base
+    with pytest.raises(FileNotFoundError, match="target model directory not found"):
+        extraction.target_digest(tmp_path / "missing", cache)
 
 
 # --------------------------------------------------------------------------- replicas and slices
@@ -210,10 +261,9 @@ def test_replicas_and_slices_leave_the_fingerprint_alone(model_dir, tmp_path, la
     """Which process makes a shard is not part of what the shard is made from."""
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
-    manifest = {"provenance": {"config_sha256": "r" * 64}}
     run = f"run_dir={tmp_path}"
-    one = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), manifest, samples)
-    assert extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, launch_key), manifest, samples) == one
+    one = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    assert extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, launch_key), samples) == one
 
 
 def test_replicas_get_disjoint_gpus_or_cpu_cores():
@@ -236,8 +286,7 @@ def sliced_run(tmp_path: Path, model_dir: Path, lengths: list[int]):
     write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
     artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10")
-    manifest = artifacts.read_manifest(regenerate_dir)
-    fingerprint = extract_stage.shard_fingerprint(cfg, manifest, regenerate_dir / "samples.safetensors")
+    fingerprint = extract_stage.shard_fingerprint(cfg, regenerate_dir / "samples.safetensors")
     return cfg, extraction.plan_shards(lengths, 10), fingerprint
 
 

@@ -344,6 +344,30 @@ def test_resume_is_bit_identical(data, uninterrupted, tmp_path):
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
 
+def test_a_run_moved_with_its_inputs_resumes_and_its_state_names_no_path_of_the_machine(
+        data, uninterrupted, tmp_path):
+    """The run spec names its inputs relative to the run, so a run dir copied elsewhere with
+    its inputs beside it (another checkout, a container's /app, another host) resumes, and
+    its state.json is the same bytes wherever it was written."""
+    def at(root: Path) -> dict:
+        shutil.copytree(data["root"], root / "data", ignore=shutil.ignore_patterns("run*"))
+        return {**data, "verifier": root / "data" / "verifier",
+                **{key: root / "data" / data[key].name for key in ("vocab", "full")},
+                "shards": [root / "data" / shard.name for shard in data["shards"]]}
+
+    here = at(tmp_path / "here")
+    first = _train(here, tmp_path / "here" / "run", "full", stop_after=5)
+    assert not first["completed"]
+    state = (latest_checkpoint(tmp_path / "here" / "run") / "state.json").read_text()
+    assert str(tmp_path) not in state and "../data/shard-00000.safetensors" in state
+    there = tmp_path / "elsewhere" / "there"
+    shutil.copytree(tmp_path / "here" / "run", there / "run")
+    second = _train(at(there), there / "run", "full")
+    assert second["resumed_from"] == 5
+    assert second["loss_history"] == uninterrupted[1]["loss_history"][5:]
+    assert (there / "run/checkpoints/step-00000005/state.json").read_text() == state
+
+
 def test_old_checkpoints_are_pruned(uninterrupted):
     out, _result = uninterrupted
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
