@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline import launch, tiny
+from draftline import artifacts, launch, tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
 
@@ -48,7 +48,8 @@ def prepared(tmp_path_factory) -> dict:
     write_vocab_mapping(regenerate_dir / "vocab.safetensors")
     manifests = {
         "regenerate": {"vocab": "vocab.safetensors"},
-        "extract": {"aux_layer_ids": AUX_IDS},
+        "extract": {"aux_layer_ids": AUX_IDS, "shards": [
+            {"file": p.name, "sha256": artifacts.sha256_file(p)} for p in map(Path, shards)]},
         "prepare": {"shards": [str(p) for p in shards], "index": "index.safetensors"},
     }
     for stage, manifest in manifests.items():
