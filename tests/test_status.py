@@ -475,6 +475,23 @@ def test_stamp_cache_is_fresh_until_an_input_argv_or_stamp_changes(tmp_path, mon
     assert not status.stamp_is_fresh("e", argv)
 
 
+def test_stamp_cache_key_watches_config_code_and_stage_files(tmp_path, monkeypatch):
+    watched = ("conf/config.yaml", "conf/model/m.yaml", "draftline/x.py", "draftline/sub/y.py", "stages/s.py")
+    ignored = ("conf/README.md", "stages/notes.txt", "tests/test_x.py")
+    for rel in watched + ignored:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("a")
+    monkeypatch.setattr(status, "REPO", tmp_path)
+    key = status._cache_key([], [])
+    for rel in ignored:
+        (tmp_path / rel).write_text("ab")
+        assert status._cache_key([], []) == key, rel
+    for rel in watched:
+        (tmp_path / rel).write_text("ab")
+        assert status._cache_key([], []) != key, rel
+        key = status._cache_key([], [])
+
+
 @pytest.mark.parametrize("build", ["tiny_llama", "tiny_deepseek_v3", "tiny_kimi_k25"])
 def test_ensure_assets_builds_only_what_is_missing(tmp_path, monkeypatch, build):
     from omegaconf import OmegaConf
@@ -516,26 +533,32 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
     model = tmp_path / "runs/_assets/tiny-llama/config.json"  # present: nothing is built
     model.parent.mkdir(parents=True)
     model.write_text("{}")
-    assert _main(monkeypatch, status, ["stamp", "tiny", "--"]) == 0
-    run = Path("runs/tiny")
+    run, gate = Path("runs/tiny"), "tests/assets/tau_gate.json"  # the default gate, as Make names it
+    # evaluate ran before the gate was configured: its record does not name it.
+    artifacts.write_json(run / "evaluate" / artifacts.MANIFEST,
+                         {"provenance": {"config": {}, "deps": deps.current({"code": {CODE: None}})}})
+    assert _main(monkeypatch, status, ["stamp", "tiny"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"config changed: {run / stage / name}" for stage in STAGES for name in ("config.json", "deps.json")]
     assert Path("runs/_assets/conversations.jsonl").is_file()
-    for stage in STAGES:
+    for stage in set(STAGES) - {"evaluate"}:
         assert artifacts.read_json(run / stage / "deps.json") == {"recorded": None, "why": "the stage has not run"}
+    assert artifacts.read_json(run / "evaluate/deps.json") == deps.current(
+        {"code": {CODE: None}, "files": {gate: None}})
+    assert artifacts.read_json(run / "evaluate/deps.json")["files"][gate] == _sha(REPO / gate)
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] != 0.5
     cache = artifacts.read_json(run / ".stamp-cache.json")
     assert cache["stamps"] == [str(run / s / n) for s in STAGES for n in ("config.json", "deps.json")]
-    assert cache["inputs"][:2] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json"]
-    assert status.stamp_is_fresh("tiny", ["stamp", "tiny", "--"])
-    assert _main(monkeypatch, status, ["stamp", "tiny", "--"]) is None  # fresh: returns before Hydra
+    assert cache["inputs"] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json", gate]
+    assert status.stamp_is_fresh("tiny", ["stamp", "tiny"])
+    assert _main(monkeypatch, status, ["stamp", "tiny"]) is None  # fresh: returns before Hydra and typer
     assert capsys.readouterr().out == ""
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*.json") if p.name != ".stamp-cache.json"}
-    assert status.write_stamps("tiny", ["train.lr=0.5"], ["stamp", "tiny", "--", "train.lr=0.5"]) == [
-        run / "train/config.json"]
+    assert _main(monkeypatch, status, ["stamp", "tiny", "--", "train.lr=0.5"]) == 0
+    assert capsys.readouterr().out == f"config changed: {run / 'train/config.json'}\n"
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] == 0.5
     assert {p for p, ns in before.items() if p.stat().st_mtime_ns != ns} == {run / "train/config.json"}
-    assert not status.stamp_is_fresh("tiny", ["stamp", "tiny", "--"])
+    assert not status.stamp_is_fresh("tiny", ["stamp", "tiny"])
     assert status.stamp_is_fresh("tiny", ["stamp", "tiny", "--", "train.lr=0.5"])
 
 
@@ -546,7 +569,12 @@ def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines() == status.show_status(run)
     assert _main(monkeypatch, status, ["accept", str(run), "regenerate"]) == 0
     assert capsys.readouterr().out == "regenerate: accepted code draftline/status.py changed\n"
-    assert _main(monkeypatch, status, []) != 0  # no command: usage
+    # No command: the help, with the three commands and no shell-completion options.
+    assert _main(monkeypatch, status, []) != 0
+    shown = capsys.readouterr()
+    assert all(command in shown.out for command in ("stamp", "show", "accept")) and "Commands" in shown.out
+    assert _main(monkeypatch, status, ["--help"]) == 0
+    assert "completion" not in capsys.readouterr().out
 
 
 def test_deps_cli(tmp_path, capsys):
