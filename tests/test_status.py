@@ -436,6 +436,53 @@ def test_loaded_keeps_the_names_of_the_run_it_resumed(tmp_path, monkeypatch):
     assert deps.loaded(previous={"python": "3.0.0"}) == plain
 
 
+def test_current_hashes_project_names_in_the_repo_and_other_files_where_they_are(tmp_path, monkeypatch):
+    gate, missing = tmp_path / "gate.json", tmp_path / "missing.json"
+    gate.write_text("{}\n")
+    monkeypatch.chdir(tmp_path)  # project names are relative to the repo, not to the cwd
+    names = {"code": {CODE: "old", "draftline/missing.py": None}, "files": {str(gate): None, str(missing): None},
+             "packages": {"pytest": "0", "not-installed-anywhere": "1"},
+             "patches": {"speculators": None, "dl_fake_not_installed_anywhere": None}, "python": "2.7"}
+    assert deps.current(names) == {
+        "code": {CODE: _sha(REPO / CODE), "draftline/missing.py": None},
+        "files": {str(gate): _sha(gate), str(missing): None},
+        "packages": {"pytest": importlib.metadata.version("pytest"), "not-installed-anywhere": None},
+        "patches": {"speculators": deps.applied_queue("speculators"), "dl_fake_not_installed_anywhere": None},
+        "python": platform.python_version()}
+    assert deps.current({}) == {"code": {}, "files": {}, "packages": {}, "patches": {},
+                                "python": platform.python_version()}
+
+
+def test_closure_reads_absolute_and_relative_imports(tmp_path, monkeypatch):
+    files = {
+        "draftline/__init__.py": "from . import a\n",
+        "draftline/a.py": "import os\n",
+        "draftline/sub/__init__.py": "",
+        "draftline/sub/c.py": "from .d import f\nfrom ..a import g as h\n",
+        "draftline/sub/d.py": "",
+        "draftline/unused.py": "",
+        "stages/s.py": "import json\nimport draftline.sub.c\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(deps, "REPO", tmp_path)
+    assert deps._module_name(tmp_path / "draftline/sub/c.py") == "draftline.sub.c"
+    assert deps._module_name(tmp_path / "draftline/sub/__init__.py") == "draftline.sub"
+    assert deps._module_name(tmp_path / "draftline/__init__.py") == "draftline"
+    assert deps.imported_names(tmp_path / "draftline/sub/c.py") == {
+        "draftline.sub.d", "draftline.sub.d.f", "draftline.a", "draftline.a.g"}
+    assert deps.imported_names(tmp_path / "draftline/__init__.py") == {"draftline", "draftline.a"}
+    assert deps.imported_names(tmp_path / "stages/s.py") == {"json", "draftline.sub.c"}
+    # Packages come in through their submodules' names (draftline.sub is imported by no file).
+    assert deps.closure(["stages.s"]) == sorted(tmp_path / rel for rel in files if rel != "draftline/unused.py")
+    assert deps.closure(["json", "draftline.nothing_here"]) == []
+    (tmp_path / "draftline/broken.py").write_text("import (\n")
+    with pytest.raises(SyntaxError) as error:
+        deps.imported_names(tmp_path / "draftline/broken.py")
+    assert error.value.filename == str(tmp_path / "draftline/broken.py")  # the file is named
+
+
 # ---------------------------------------------------------------- the stamp cache, assets, CLIs
 
 
