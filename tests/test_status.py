@@ -457,7 +457,7 @@ def test_closure_reads_absolute_and_relative_imports(tmp_path, monkeypatch):
     files = {
         "draftline/__init__.py": "from . import a\n",
         "draftline/a.py": "import os\n",
-        "draftline/sub/__init__.py": "",
+        "draftline/sub/__init__.py": "from . import d\n",
         "draftline/sub/c.py": "from .d import f\nfrom ..a import g as h\n",
         "draftline/sub/d.py": "",
         "draftline/unused.py": "",
@@ -473,8 +473,9 @@ def test_closure_reads_absolute_and_relative_imports(tmp_path, monkeypatch):
     assert deps.imported_names(tmp_path / "draftline/sub/c.py") == {
         "draftline.sub.d", "draftline.sub.d.f", "draftline.a", "draftline.a.g"}
     assert deps.imported_names(tmp_path / "draftline/__init__.py") == {"draftline", "draftline.a"}
+    assert deps.imported_names(tmp_path / "draftline/sub/__init__.py") == {"draftline.sub", "draftline.sub.d"}
     assert deps.imported_names(tmp_path / "stages/s.py") == {"json", "draftline.sub.c"}
-    # Packages come in through their submodules' names (draftline.sub is imported by no file).
+    # Packages come in through their submodules' names (only draftline/sub/__init__.py names draftline.sub).
     assert deps.closure(["stages.s"]) == sorted(tmp_path / rel for rel in files if rel != "draftline/unused.py")
     assert deps.closure(["json", "draftline.nothing_here"]) == []
     (tmp_path / "draftline/broken.py").write_text("import (\n")
@@ -634,10 +635,10 @@ def test_deps_cli(tmp_path, capsys):
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
     deps.main(["show", str(stage_dir)])
     assert capsys.readouterr().out == "no difference\n"
-    record["code"][CODE] = "0"
+    record["code"][CODE], record["python"] = "0", "2.7"
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
     deps.main(["show", str(stage_dir)])
-    assert capsys.readouterr().out == "code draftline/status.py changed\n"
+    assert capsys.readouterr().out == f"code draftline/status.py changed\npython 2.7 -> {platform.python_version()}\n"
     for argv in ([], ["files"], ["show"], ["show", "a", "b"], ["other", "x"]):
-        with pytest.raises(SystemExit, match=re.escape("usage: python -m draftline.deps files MODULE... | show STAGE_DIR")):
+        with pytest.raises(SystemExit, match="^" + re.escape("usage: python -m draftline.deps files MODULE... | show STAGE_DIR") + "$"):
             deps.main(argv)
