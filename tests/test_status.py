@@ -140,7 +140,7 @@ def test_a_gate_named_now_joins_evaluates_dependencies(tmp_path):
     artifacts.write_json(evaluate / artifacts.STAMP, named)
     assert status.stage_files(run, "evaluate") == [str(gate)]
     assert status.stage_files(run, "report") == []  # no stamp
-    artifacts.write_json(run / "train" / artifacts.STAMP, {**named, "k": 1})
+    artifacts.write_json(run / "train" / artifacts.STAMP, named)
     assert status.stage_files(run, "train") == []  # only evaluate reads the gate
     # The config names a gate the run did not record (a gate added later): a difference.
     manifest = artifacts.read_json(evaluate / artifacts.MANIFEST)
