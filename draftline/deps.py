@@ -195,9 +195,9 @@ def differences(recorded: dict, current: dict) -> list[str]:
     for kind in ("code", "files"):
         old, new = recorded.get(kind, {}), current.get(kind, {})
         for name in sorted(set(old) | set(new)):
-            if new.get(name) is None:
+            if new.get(name) is None and old.get(name) is not None:  # gone since the run
                 out.append(f"{kind} {name} is gone")
-            elif old.get(name) != new[name]:
+            elif old.get(name) != new.get(name):
                 out.append(f"{kind} {name} changed")
     old, new = recorded.get("packages", {}), current.get("packages", {})
     for name in sorted(set(old) | set(new)):
