@@ -490,6 +490,20 @@ def test_content_search_starts_after_the_history_and_takes_the_first_hit(fast):
     assert full[second:] == "<think></think>OK" + END
 
 
+def test_a_prefix_span_reaching_back_into_the_previous_reply_is_searched_for(fast):
+    # Two replies in a row under a reasoning template: the prompt render of messages[:2] shows
+    # the first reply with its think block, so the second reply's prefix span would start at
+    # the first reply's content; the search after the first span finds the right one.
+    tok = with_template(fast, tiny.CHAT_TEMPLATE.replace(
+        "{{- message['content'] + '<|end|>' -}}",
+        "{%- if loop.last -%}{{- '<think></think>' -}}{%- endif -%}{{- message['content'] + '<|end|>' -}}"))
+    messages = turns(("user", "q"), ("assistant", "OK"), ("assistant", "OK"))
+    full, spans = assistant_char_spans(tok, messages)
+    assert full == tiny.BOS + tiny.USER + "q" + END + tiny.ASSISTANT + "OK" + END + tiny.ASSISTANT \
+        + "<think></think>OK" + END
+    first = full.index("OK")
+    assert spans == [(first, first + len("OK" + END)), (len(full) - len("OK" + END), len(full))]
+
 def test_generation_prompt_overlapping_the_reply_is_searched_from_the_history(fast):
     # The prompt opens "<think>" and the reply starts with its own "<think>": the prefix boundary
     # is unreliable, the search must start before the prompt's text.
