@@ -385,12 +385,15 @@ def test_truncation_keeps_exactly_max_length_tokens(fast):
 
 
 def test_unrecoverable_message_is_exact():
+    # Both quotes are 30 characters from the first difference (64 decoded characters, so a
+    # slice counted from the end would not give the same text by accident).
     tok = char_tokenizer(PLAIN_TEMPLATE, pieces=[": "], prefix_space=True)
+    messages = PLAIN_CONVERSATION[:3] + turns(("assistant", " Bye now"))
     with pytest.raises(ChatTemplateError, match=exact(
             "sample 5: token ids are not a prefix across message boundaries and the segment-wise "
             "encoding does not decode back either; first difference at character 0: expected "
             "'user:Hi\\nassistant: Hello there', got ' user:Hi\\nassistant:  Hello the'")):
-        tokenize_conversation(tok, PLAIN_CONVERSATION, 1000, sample=5)
+        tokenize_conversation(tok, messages, 1000, sample=5)
 
 
 # ---- segments: accepted when the ids decode like the whole text's ids
