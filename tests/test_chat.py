@@ -453,6 +453,10 @@ def test_fast_tokenizer_masks_by_offsets_without_prefix_encodes(fast, monkeypatc
     # A boundary inside a token ("<|system|>" is one token) makes the shortcut give up.
     assert chat._mask_by_offsets(fast, full, [(0, len(tiny.BOS) + 3)]) is None
     assert chat._mask_by_offsets(fast, full, [(len(tiny.BOS) + 3, len(full))]) is None
+    # An empty span at either end of the text (a reply that renders to nothing) is a clean boundary.
+    nothing = (expected.input_ids, [0] * len(expected.input_ids))
+    assert chat._mask_by_offsets(fast, full, [(len(full), len(full))]) == nothing
+    assert chat._mask_by_offsets(fast, full, [(0, 0)]) == nothing
 
     def no_prefix(*args):
         raise AssertionError("the prefix strategy ran for a fast tokenizer")
