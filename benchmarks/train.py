@@ -71,6 +71,13 @@ Again later (same machine kind, torch 2.11.0+cu130, --steps 10 --warmup 3), plai
 16.2 vs 19.4 GiB), 60.7k vs 57.6k from disk; Kimi-K2.5 draft dims (``--hidden 7168
 --intermediate 18432 --heads 56 --kv-heads 8 --vocab 163840``) 33.0k vs 31.6k resident
 (248.9 vs 258.0 ms, 30.5 vs 36.6 GiB), 30.0k vs 29.1k from disk.
+On nvidia-h200-x2 (2 H200s, torch 2.11.0+cu130, --steps 10 --warmup 3, 8192 tokens/step per
+rank), plain one GPU vs ``--gpus 2``: Llama-3.1-8B dims resident 65.5k vs 120.2k tokens/s
+(1.834x, 91.7%; 123.7 vs 133.9 ms/step; 16.2 vs 19.4 GiB per GPU), from disk 60.6k vs 93.5k
+(1.54x); Kimi-K2.5 draft dims resident 32.3k vs 60.0k (1.859x, 93.0%; 251.5 vs 272.2 ms;
+30.5 vs 36.6 GiB), from disk 29.8k vs 39.3k (1.32x).  From disk, two ranks share one disk with
+the page cache dropped before each read: 39.3k Kimi tokens/s is ~2.2 GB/s of hidden states,
+what the loader alone read cold (2.76 GB/s) on that disk, so the disk, not DDP, bounds it.
 """
 
 from __future__ import annotations
