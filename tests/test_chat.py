@@ -385,10 +385,11 @@ def test_truncation_keeps_exactly_max_length_tokens(fast):
 
 
 def test_unrecoverable_message_is_exact():
-    # Both quotes are 30 characters from the first difference (64 decoded characters, so a
-    # slice counted from the end would not give the same text by accident).
+    # Both quotes are 30 characters from the first difference. The rendered text is 61
+    # characters and the decoded one 65, so no slice counted from the end (e.g. [at:at - 30],
+    # which is [0:30] for a 60-character text) gives the same quote by accident.
     tok = char_tokenizer(PLAIN_TEMPLATE, pieces=[": "], prefix_space=True)
-    messages = PLAIN_CONVERSATION[:3] + turns(("assistant", " Bye now"))
+    messages = PLAIN_CONVERSATION[:3] + turns(("assistant", " Bye now!"))
     with pytest.raises(ChatTemplateError, match=exact(
             "sample 5: token ids are not a prefix across message boundaries and the segment-wise "
             "encoding does not decode back either; first difference at character 0: expected "

@@ -8,6 +8,7 @@ tests/test_stages.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -368,3 +369,80 @@ def test_packed_input_ids_are_int64_whatever_the_engine_returns():
     plan = extraction.ShardPlan(0, (1,), 2)
     results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
     assert extraction.pack_shard(plan, results, {1: [0, 1]}, "float32")["input_ids"].dtype == torch.int64
+
+
+# --------------------------------------------------------------------------- scale-out edges that mutants found
+
+
+def test_the_finalize_error_is_exact_and_lists_at_most_listed_shards(tmp_path):
+    """Every line of the message, for exactly LISTED missing shards (all named) and for two
+    more (LISTED named, then the count of the rest)."""
+    plans = extraction.plan_shards([1] * (extraction.LISTED + 2), 1)
+    out_dir = tmp_path / "extract"
+    record = out_dir / extraction.SLICES_RECORD
+
+    def expected(missing, more):
+        return "\n".join([
+            f"{out_dir} is extracted in 2 slices ({record}) and {len(missing)} of {len(plans)} planned "
+            "shards are missing or were made from other inputs or config:",
+            *[f"  {p.name} (slice {p.index % 2}/2)" for p in missing[:extraction.LISTED]],
+            *([f"  ... and {more} more"] if more else []),
+            "Fill them (each command resumes its slice), then run `make extract` again:",
+            "  make extract EXP=tiny SHARD=0/2",
+            "  make extract EXP=tiny SHARD=1/2",
+            f"(To extract them all on this host instead, delete {record}.)"])
+
+    exact = plans[:extraction.LISTED]
+    assert extraction.finalize_error(exact, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(exact, 0)
+    assert extraction.finalize_error(plans, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(plans, 2)
+
+
+def test_an_experiment_value_is_taken_whole_after_its_first_equals_sign():
+    assert extraction.fill_commands([0], 2, ["experiment=a=b"]) == ["make extract EXP=a=b SHARD=0/2"]
+
+
+def test_no_slices_record_reads_as_a_one_host_run(tmp_path):
+    assert extraction.read_slices_record(tmp_path) is None
+    extraction.write_slices_record(tmp_path, 3)
+    assert extraction.read_slices_record(tmp_path) == 3
+
+
+def test_shard_records_name_samples_tokens_bytes_sha_and_recorded_seconds(tmp_path):
+    plans = extraction.plan_shards([3, 4, 5], 7)
+    for plan in plans:
+        (tmp_path / plan.name).write_bytes(plan.name.encode() * (plan.index + 1))
+    # make reproduce leaves files with this suffix out of the outputs it compares
+    assert extraction.timing_path(tmp_path / plans[0].name) == tmp_path / "shard-00000.timing.json"
+    artifacts.write_json(extraction.timing_path(tmp_path / plans[0].name), {"seconds": 1.5})
+    records = extraction.shard_records(plans, tmp_path)
+    assert records == [
+        {"file": p.name, "samples": len(p.sample_ids), "tokens": p.num_tokens,
+         "bytes": len(p.name) * (p.index + 1), "sha256": artifacts.sha256_file(tmp_path / p.name),
+         **({"seconds": 1.5} if p.index == 0 else {})}
+        for p in plans]
+    assert [(r["samples"], r["tokens"]) for r in records] == [(2, 7), (1, 5)]
+
+
+def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp_path):
+    """The digest is sha256 over 'relative name NUL file sha256' per file in name order;
+    the cache answers for a file whose size and mtime it recorded, even across calls (shown
+    by content changed behind its back with size and mtime put back)."""
+    root = tmp_path / "target"
+    (root / "sub").mkdir(parents=True)
+    files = {"config.json": b"{}", "sub/w.bin": b"weights"}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
+    cache = tmp_path / "cache.json"
+    assert extraction.target_digest(root, cache) == digest.hexdigest()
+    recorded = artifacts.read_json(cache)
+    weights = root / "sub/w.bin"
+    assert recorded[str(weights.resolve())] == [
+        [len(b"weights"), weights.stat().st_mtime_ns], hashlib.sha256(b"weights").hexdigest()]
+    stat = weights.stat()
+    weights.write_bytes(b"WEIGHTS")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert extraction.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
+    assert extraction.target_digest(root, cache) == digest.hexdigest()

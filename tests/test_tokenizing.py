@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,10 @@ def test_dropped_exchanges_are_counted_in_source_turn_numbers(model_dir, tmp_pat
     assert [e.split(" dropped")[0] for e in tally.dropped_exchange_examples] == [
         f"{data}:1: exchange of turns 1-2", f"{data}:2: exchange of turns 2-3",
         f"{data}:2: exchange of turns 4-5"]
+    # Each example names how long the exchange renders alone: more than seq_length.
+    rendered = [int(re.search(r"\((\d+) tokens rendered alone\)", e).group(1))
+                for e in tally.dropped_exchange_examples]
+    assert len(rendered) == 3 and all(n > 128 for n in rendered), tally.dropped_exchange_examples
     assert tally.kept_tokens < tally.assistant_tokens
 
 
