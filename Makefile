@@ -102,8 +102,11 @@ $(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) co
     $(VENV)/.setup-$(STACK)
 	$(PY) -m draftline.target_training experiment=tiny-trained
 
-# `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would rerun.
+# First the project-made inputs (tiny targets, the embedded set; a dry run skips this line),
+# then the stamps. `+`: stamping runs under `make -n` too, so a dry run lists exactly the
+# stages that would rerun; it writes only under runs/$(EXP)/ and builds nothing.
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
+	$(PY) -m draftline.status assets $(EXP) -- $(OVERRIDES)
 	+$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
 
 $(RUN)/tokenize/manifest.json: $(call stamps,tokenize)

@@ -87,10 +87,32 @@ def _capped(max_bytes: int) -> bytes:
     return b"".join(kept)
 
 
-def ensure_conversations(out_path: str | Path, max_bytes: int = BUILD_MAX_BYTES) -> Path:
-    """``out_path`` holding the committed set (capped at ``max_bytes``); rewritten when it is
-    missing or differs (a copy made by an older builder, or edited by hand)."""
-    out_path = Path(out_path)
+class NotTheEmbeddedPath(ValueError):
+    """``data.path`` names a file of the user's while ``data`` is the embedded set: the project
+    would write its set there, so the config is refused instead."""
+
+
+def conversations_path(assets_dir: str | Path) -> Path:
+    """Where the embedded set is written: the project's assets, never a path a user chose."""
+    return Path(assets_dir) / CONVERSATIONS
+
+
+def check_data_path(data_path: str | Path, assets_dir: str | Path) -> Path:
+    """The embedded set's path, after refusing a ``data.path`` that names anything else."""
+    expected = conversations_path(assets_dir)
+    if Path(data_path).resolve() != expected.resolve():
+        raise NotTheEmbeddedPath(
+            f"data.path={data_path} is set, but data is the embedded set, which lives only at "
+            f"{expected}: did you mean data=file? (OVERRIDES=\"data=file data.path={data_path}\")")
+    return expected
+
+
+def ensure_conversations(data_path: str | Path, assets_dir: str | Path,
+                         max_bytes: int = BUILD_MAX_BYTES) -> Path:
+    """The embedded set (capped at ``max_bytes``) at its place under ``assets_dir``, rewritten
+    when it is missing or differs (a copy made by an older builder, or edited by hand).
+    ``data_path`` is the configured one: it must be that place (``check_data_path``)."""
+    out_path = check_data_path(data_path, assets_dir)
     if not out_path.exists() or out_path.read_bytes() != _capped(max_bytes):
         write_conversations(out_path, max_bytes)
     return out_path

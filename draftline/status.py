@@ -11,9 +11,9 @@ as they are now). When ``deps.json`` matches what the manifest recorded it carri
 manifest's own mtime, so only a real difference makes the stage stale. ``accept`` records in
 the manifest that a user kept the outputs across such a difference.
 
-Stamping composes the config once for all stages and builds the project's own inputs (tiny
-targets, the embedded conversation set) when they are missing, since the stamps fingerprint
-them. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
+Stamping composes the config once for all stages and writes only under the run dir, since it
+runs under `make -n` too; ``assets`` (Make's step before it, skipped by a dry run) builds the
+project's own inputs (tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
 of file stats alone (conf/, the project's code, the installed packages and patch records, the
 inputs the last compose named) and skips Hydra entirely when nothing changed.
 """
@@ -66,7 +66,11 @@ def stamp_is_fresh(exp: str, argv: list[str]) -> bool:
 
 
 def ensure_assets(cfg) -> None:
-    """Build project-made inputs that do not exist yet (deterministic builders)."""
+    """Build project-made inputs that do not exist yet (deterministic builders), only at the
+    project's own paths (``config.check_owned_paths``)."""
+    from draftline import config
+
+    config.check_owned_paths(cfg)
     model_dir = Path(cfg.model.path)
     if cfg.model.build and not (model_dir / "config.json").exists():
         from draftline import tiny
@@ -77,15 +81,36 @@ def ensure_assets(cfg) -> None:
     if cfg.data.build:
         from draftline import embedded
 
-        embedded.ensure_conversations(cfg.data.path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
+
+
+def _asset_inputs(cfg) -> list[str]:
+    return [str(cfg.data.path), str(Path(cfg.model.path) / "config.json")]
+
+
+def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
+    """Build the experiment's project-made inputs (Make's own step, never a dry run's: the
+    stamp step only reads). Skipped when nothing they depend on changed since the last build."""
+    from draftline import artifacts, config
+
+    cache = Path("runs") / exp / ".assets-cache.json"
+    if cache.exists():
+        saved = artifacts.read_json(cache)
+        if saved["key"] == _cache_key(argv, saved["inputs"]):
+            return
+    cfg = config.compose(config.experiment_overrides(exp, overrides))
+    ensure_assets(cfg)
+    inputs = _asset_inputs(cfg)
+    artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs})
 
 
 def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
-    """Compose once, build missing assets, rewrite the stamps that changed, save the key."""
+    """Compose once, rewrite the stamps that changed, save the key. Builds nothing and writes
+    nothing outside the run dir: it runs under `make -n` too (``build_assets`` builds)."""
     from draftline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
-    ensure_assets(cfg)
+    config.check_owned_paths(cfg)
     changed, stamps = [], []
     for stage in config.STAGES:
         path = config.stage_dir(cfg, stage) / artifacts.STAMP
@@ -94,8 +119,7 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
             changed.append(path)
         if sync_deps_stamp(path.parent, config.stage_files(cfg, stage)):
             changed.append(path.parent / DEPS_STAMP)
-    inputs = [str(cfg.data.path), str(Path(cfg.model.path) / "config.json"),
-              *(f for s in config.STAGES for f in config.stage_files(cfg, s))]
+    inputs = [*_asset_inputs(cfg), *(f for s in config.STAGES for f in config.stage_files(cfg, s))]
     artifacts.write_json(_cache_path(exp), {"key": _cache_key(argv, inputs), "inputs": inputs,
                                             "stamps": stamps})
     return changed
@@ -250,6 +274,11 @@ def build_cli():
             typer.echo(f"config changed: {path}")
 
     @app.command()
+    def assets(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
+        """Build the project-made inputs of EXP (tiny targets, the embedded set) when missing."""
+        build_assets(exp, overrides or [], sys.argv[1:])
+
+    @app.command()
     def show(run_dir: Path) -> None:
         """One line per stage of RUN_DIR: up to date, or STALE with every reason."""
         for line in show_status(run_dir):
@@ -268,7 +297,14 @@ def main() -> None:
     argv = sys.argv[1:]
     if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
         return  # nothing that feeds a stamp changed since the last compose
-    build_cli()()
+    from draftline import config, embedded
+
+    try:
+        build_cli()()
+    except (embedded.NotTheEmbeddedPath, config.NotAProjectPath) as error:
+        # A config mistake, not a failure of the code: its message is the whole story.
+        print(f"draftline: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

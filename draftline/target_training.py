@@ -148,7 +148,7 @@ def ensure_corpus(cfg: DictConfig) -> Path:
     if cfg.data.build:
         from draftline import embedded
 
-        embedded.ensure_conversations(path, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no conversations to train the target on")
     return path

@@ -34,6 +34,7 @@ def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "tokenize")
     data, settings = cfg.data, cfg.tokenize
     # Everything that can be wrong with the config is checked before the first record.
+    config.check_data_path(cfg)
     budget = Budget(settings.max_skipped)
     roles = check_roles(OmegaConf.to_container(data.roles))
     workers = default_workers() if settings.workers is None else int(settings.workers)

@@ -59,8 +59,17 @@ def test_smaller_cap_gives_a_prefix(default_set, tmp_path):
 def test_ensure_rewrites_a_copy_that_differs(tmp_path):
     path = tmp_path / "conversations.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "made by an older builder"}]}\n')
-    embedded.ensure_conversations(path)
+    embedded.ensure_conversations(path, tmp_path)
     assert sha256(path) == CONVERSATIONS_SHA256
+
+
+def test_the_embedded_set_is_written_only_under_the_assets(tmp_path):
+    user_file = tmp_path / "my_chats.jsonl"
+    user_file.write_text("mine\n")
+    for path in (user_file, tmp_path / "absent.jsonl", tmp_path / "sub" / "conversations.jsonl"):
+        with pytest.raises(embedded.NotTheEmbeddedPath, match="did you mean data=file"):
+            embedded.ensure_conversations(path, tmp_path)
+    assert user_file.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [user_file]
 
 
 def test_an_edited_committed_file_is_refused(tmp_path, monkeypatch):

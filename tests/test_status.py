@@ -547,9 +547,10 @@ def test_ensure_assets_builds_only_what_is_missing(tmp_path, monkeypatch, build)
     built = []
     for name in ("build_tiny_llama", "build_tiny_deepseek_v3", "build_tiny_kimi_k25"):
         monkeypatch.setattr(tiny, name, lambda out, *, num_layers, _n=name: built.append((_n, out, num_layers)))
-    model_dir, data = tmp_path / "model", tmp_path / "data" / "conversations.jsonl"
+    model_dir, data = tmp_path / "model", tmp_path / "conversations.jsonl"
     cfg = OmegaConf.create({"model": {"path": str(model_dir), "build": build, "num_layers": 3},
-                            "data": {"path": str(data), "build": "stdlib_docstrings", "max_bytes": 5000}})
+                            "data": {"path": str(data), "build": "stdlib_docstrings", "max_bytes": 5000},
+                            "assets_dir": str(tmp_path)})
     status.ensure_assets(cfg)
     assert built == [(f"build_{build}", model_dir, 3)]
     assert 0 < data.stat().st_size <= 5000
@@ -588,7 +589,7 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
     assert _main(monkeypatch, status, ["stamp", "tiny"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"config changed: {run / stage / name}" for stage in STAGES for name in ("config.json", "deps.json")]
-    assert Path("runs/_assets/conversations.jsonl").is_file()
+    assert not Path("runs/_assets/conversations.jsonl").exists()  # stamping builds nothing
     for stage in set(STAGES) - {"evaluate"}:
         assert artifacts.read_json(run / stage / "deps.json") == {"recorded": None, "why": "the stage has not run"}
     assert artifacts.read_json(run / "evaluate/deps.json") == deps.current(
@@ -608,6 +609,42 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
     assert {p for p, ns in before.items() if p.stat().st_mtime_ns != ns} == {run / "train/config.json"}
     assert not status.stamp_is_fresh("tiny", ["stamp", "tiny"])
     assert status.stamp_is_fresh("tiny", ["stamp", "tiny", "--", "train.lr=0.5"])
+
+
+def test_assets_cli_builds_the_embedded_set_once_then_skips(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "runs/_assets/tiny-llama/config.json"  # present: only the data is built
+    model.parent.mkdir(parents=True)
+    model.write_text("{}")
+    data = Path("runs/_assets/conversations.jsonl")
+    assert _main(monkeypatch, status, ["assets", "tiny"]) == 0
+    assert _sha(data) == _sha(embedded.DATA_DIR / embedded.CONVERSATIONS)
+    assert model.read_text() == "{}"
+    built = data.stat().st_mtime_ns
+    calls = []
+    monkeypatch.setattr(status, "ensure_assets", calls.append)
+    assert _main(monkeypatch, status, ["assets", "tiny"]) == 0  # nothing changed: not composed
+    assert calls == [] and data.stat().st_mtime_ns == built
+    data.write_text("edited by hand\n")  # its stats changed: built again
+    assert _main(monkeypatch, status, ["assets", "tiny"]) == 0
+    assert len(calls) == 1
+
+
+def test_a_users_path_for_a_project_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine.jsonl"
+    for command in ("assets", "stamp"):
+        assert _main(monkeypatch, status, [command, "tiny", "--", f"data.path={mine}"]) == 2
+        assert capsys.readouterr().err == (
+            f"draftline: data.path={mine} is set, but data is the embedded set, which lives only at "
+            f"runs/_assets/conversations.jsonl: did you mean data=file? "
+            f'(OVERRIDES="data=file data.path={mine}")\n')
+    assert _main(monkeypatch, status, ["stamp", "tiny", "--", f"model.path={tmp_path}/m"]) == 2
+    assert capsys.readouterr().err == (
+        f"draftline: model.path={tmp_path}/m is set, but the model is the project-built tiny_llama, "
+        "which lives only under runs/_assets/: for a model of your own give it a "
+        "conf/model/<name>.yaml with build: null\n")
+    assert sorted(tmp_path.iterdir()) == []
 
 
 def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):

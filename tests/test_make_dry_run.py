@@ -1,0 +1,86 @@
+"""`make -n` writes nothing the user owns and builds nothing.
+
+A dry run still refreshes the project's own stamps under runs/<EXP>/ (so it lists exactly the
+stages that would rerun), but the user's data file, the checkout outside runs/ and the
+project-built assets are left as they were. Run in a copy of the repository, from a fresh clone's
+state: no runs/, so every stamp cache is stale.
+"""
+
+import hashlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_pipeline import _copy_repo
+
+REPO = Path(__file__).resolve().parents[1]
+USER_DATA = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+
+
+def public_targets() -> list[str]:
+    """Every target `make help` lists (the `## ` lines)."""
+    text = (REPO / "Makefile").read_text()
+    return sorted(set(re.findall(r"^([a-zA-Z_-]+):.*## ", text, flags=re.M)))
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` except runs/ (links are not followed)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.relative_to(root).parts[0] != "runs"}
+
+
+def dry_run(repo: Path, target: str, overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={sys.prefix}",
+                           "EXP=tiny", f"OVERRIDES={overrides}"],
+                          cwd=repo, capture_output=True, text=True)
+
+
+@pytest.fixture()
+def repo(tmp_path):
+    return _copy_repo(tmp_path / "repo")
+
+
+def test_the_public_targets_are_the_ones_help_lists():
+    assert {"tokenize", "extract", "train", "smoke", "status", "serve", "clean"} <= set(public_targets())
+
+
+def test_make_n_of_every_public_target_writes_nothing_outside_runs(repo, tmp_path):
+    user_data = tmp_path / "my_chats.jsonl"
+    user_data.write_text(USER_DATA)
+    before, data_before = tree_hashes(repo), user_data.read_bytes()
+    for target in public_targets():
+        result = dry_run(repo, target, f"data=file data.path={user_data}")
+        assert result.returncode == 0, (target, result.stderr[-3000:])
+        assert user_data.read_bytes() == data_before, target
+        assert tree_hashes(repo) == before, target
+        # No model is built, not even the project's own under runs/_assets/.
+        assert not (repo / "runs/_assets").exists(), (target, sorted((repo / "runs/_assets").iterdir()))
+    # ... and the stamps were refreshed, so the dry run could list the stale stages.
+    assert (repo / "runs/tiny/tokenize/config.json").exists()
+
+
+def test_the_embedded_set_at_a_users_path_is_refused_in_one_line(repo, tmp_path):
+    # The user set data.path and forgot data=file: the project must neither write there nor
+    # create a path that does not exist.
+    user_data, absent = tmp_path / "my_chats.jsonl", tmp_path / "absent.jsonl"
+    user_data.write_text(USER_DATA)
+    for path in (user_data, absent):
+        result = dry_run(repo, "tokenize", f"data.path={path}")
+        assert result.returncode != 0
+        errors = [line for line in result.stderr.splitlines() if line.startswith("draftline:")]
+        assert len(errors) == 1 and "did you mean data=file?" in errors[0], result.stderr
+        assert "Traceback" not in result.stderr
+    assert user_data.read_text() == USER_DATA and not absent.exists()
+    assert not (repo / "runs/_assets").exists()
+
+
+def test_a_built_tiny_target_at_a_users_path_is_refused(repo, tmp_path):
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    result = dry_run(repo, "tokenize", f"model.path={model_dir}")
+    assert result.returncode != 0 and "conf/model/<name>.yaml with build: null" in result.stderr
+    assert list(model_dir.iterdir()) == []
