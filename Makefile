@@ -81,10 +81,10 @@ lock-check: | $(UV) ## Fail when a lock no longer matches its inputs
 
 # ---- pipeline ---------------------------------------------------------------------------
 # Each stage's manifest is its Make target, written last and atomically by the stage. Its
-# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.status
+# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.pipeline.status
 # stamp` rewrites only when their content changes: config.json (its resolved config) and
 # deps.json (what its last run imported, as it is now: project code, package versions, patch
-# queues, Python; see draftline/deps.py). No code lists by hand: the run records its own.
+# queues, Python; see draftline/pipeline/deps.py). No code lists by hand: the run records its own.
 export HYDRA_FULL_ERROR := 1
 RUN := runs/$(EXP)
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
@@ -93,21 +93,21 @@ STAMPS := $(foreach s,$(STAGES),$(RUN)/$(s)/config.json $(RUN)/$(s)/deps.json)
 stamps = $(RUN)/$(1)/config.json $(RUN)/$(1)/deps.json
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
 # cached under runs/_assets/ like any stage output; its code is the import closure of its
-# builder, read from the imports (draftline.deps uses the standard library only).
+# builder, read from the imports (draftline.pipeline.deps uses the standard library only).
 TRAINED_TARGET := runs/_assets/tiny-llama-trained/build.json
-TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.deps files draftline.target_training)
+TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
 
 .PHONY: FORCE
 $(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny_llama_trained.yaml \
     $(VENV)/.setup-$(STACK)
-	$(PY) -m draftline.target_training experiment=tiny-trained
+	$(PY) -m draftline.tiny.trained experiment=tiny-trained
 
 # First the project-made inputs (tiny targets, the embedded set; a dry run skips this line),
 # then the stamps. `+`: stamping runs under `make -n` too, so a dry run lists exactly the
 # stages that would rerun; it writes only under runs/$(EXP)/ and builds nothing.
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.status assets $(EXP) -- $(OVERRIDES)
-	+$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
+	$(PY) -m draftline.pipeline.status assets $(EXP) -- $(OVERRIDES)
+	+$(PY) -m draftline.pipeline.status stamp $(EXP) -- $(OVERRIDES)
 
 $(RUN)/tokenize/manifest.json: $(call stamps,tokenize)
 	$(PY) -m stages.tokenize $(STAGE_ARGS)
@@ -152,11 +152,11 @@ serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm se
 
 .PHONY: status accept
 status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
-	@$(PY) -m draftline.status show $(RUN)
+	@$(PY) -m draftline.pipeline.status show $(RUN)
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }
-	$(PY) -m draftline.status accept $(RUN) $(STAGE)
+	$(PY) -m draftline.pipeline.status accept $(RUN) $(STAGE)
 
 comma := ,
 empty :=

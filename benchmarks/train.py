@@ -7,14 +7,14 @@
     python -m benchmarks.train --results one.json                 # plain, one GPU: the baseline
     python -m benchmarks.train --gpus 2 --baseline one.json       # DDP on 2 GPUs, with the ratio
 
-For each precision, the same training step (``draftline.training.Session.step``: speculators'
+For each precision, the same training step (``draftline.train.loop.Session.step``: speculators'
 forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
 ``--warmup`` untimed then ``--steps`` timed steps:
 
 1. ``resident``: synthetic batches made once on the device (bf16 hidden states, as shards
    store them) and reused -- the step alone;
 2. ``disk``: batches read from synthetic shards through the training data path
-   (``draftline.train_data.PackedLoader``: memory-mapped shards, packing by token budget with
+   (``draftline.train.loader.PackedLoader``: memory-mapped shards, packing by token budget with
    speculators' sampler, pinned buffers, packing threads, device copy one step ahead).
 
 Shards (``--disk-tokens`` tokens, default enough for every step of one run) are written to
@@ -48,7 +48,7 @@ positions of each token at TTT step k); kernels that compute masked blocks do mo
 Llama-3.1-8B defaults: ~7.3 GFLOP per position.
 
 Several GPUs (``--gpus N``): the command re-launches itself under torchrun with N processes
-(``draftline.launch``: one per GPU, NCCL -- gloo with ``--device cpu`` -- and NVLink multicast
+(``draftline.pipeline.launch``: one per GPU, NCCL -- gloo with ``--device cpu`` -- and NVLink multicast
 off, as ``make train GPUS=N`` runs), each rank on ``cuda:<local rank>`` with the draft wrapped in
 ``DistributedDataParallel`` (also at N = 1, so ``--gpus 1`` against the plain run is DDP's own
 cost), exactly as the train stage trains.  ``--tokens-per-step`` is each rank's budget (weak
@@ -99,8 +99,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftline import launch
-from draftline.train_data import (
+from draftline.pipeline import launch
+from draftline.train.loader import (
     PackedLoader,
     ShardSampleDataset,
     load_split,
@@ -108,8 +108,8 @@ from draftline.train_data import (
     make_sampler,
     plan_steps,
 )
-from draftline.train_model import build_draft
-from draftline.training import Session, make_session
+from draftline.train.draft import build_draft
+from draftline.train.loop import Session, make_session
 
 NUM_AUX = 3
 SLOTS = NUM_AUX + 1

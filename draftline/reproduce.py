@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftline import artifacts, config
+from draftline.pipeline import artifacts, config
 
 # Written by every run and not outputs: their bytes hold wall times, hosts and paths.
 NOT_OUTPUTS = {artifacts.MANIFEST, artifacts.STAMP, "deps.json"}
@@ -89,7 +89,7 @@ def environment(provenance: dict) -> dict[str, str]:
 
 
 def here() -> dict[str, str]:
-    from draftline import numerics
+    from draftline.pipeline import numerics
 
     return environment({
         "git": artifacts.git_revision(), "locks": artifacts.lock_hashes(),
@@ -177,7 +177,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     """Project-built targets are rebuilt when missing; anything else must be there."""
     from omegaconf import OmegaConf
 
-    from draftline import status
+    from draftline.pipeline import status
 
     model = cfg["model"]
     if Path(model["path"], "config.json").exists():
@@ -185,7 +185,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     if model.get("build"):
         status.ensure_assets(OmegaConf.create(cfg))
     elif model.get("train"):
-        subprocess.run([sys.executable, "-m", "draftline.target_training", f"experiment={exp}"], check=True)
+        subprocess.run([sys.executable, "-m", "draftline.tiny.trained", f"experiment={exp}"], check=True)
     else:
         raise FileNotFoundError(f"target model {model['path']} missing: the run's model must be there")
 
@@ -349,7 +349,7 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
         cfg = replay_config(stage, manifest, exp, out, data, default_threads)
         ensure_target(cfg, exp)
         if stage == "tokenize" and cfg["data"].get("build"):
-            from draftline import embedded
+            from draftline.tiny import embedded
 
             embedded.ensure_conversations(cfg["data"]["path"], cfg["assets_dir"], int(cfg["data"]["max_bytes"]))
         seconds = run_stage(stage, cfg, out)

@@ -13,8 +13,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
-from draftline.stage import run_stage
+from draftline.pipeline import artifacts, config
+from draftline.pipeline.stage import run_stage
 
 UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
@@ -42,7 +42,7 @@ def run(cfg: DictConfig) -> dict:
         with artifacts.atomic_path(out_dir / figure.name) as tmp:
             tmp.write_bytes(figure.png)
     title = cfg.report.title or f"draftline run {cfg.exp}"
-    # A target trained by draftline.target_training carries its build record.
+    # A target trained by draftline.tiny.trained carries its build record.
     build = Path(manifests["extract"]["target"]) / "build.json"
     target_build = artifacts.read_json(build) if build.exists() else None
     with artifacts.atomic_path(out_dir / "index.html") as tmp:

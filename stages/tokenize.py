@@ -15,12 +15,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from draftline import config, vocab
-from draftline.conversations import check_roles
-from draftline.data_sources import open_source
-from draftline.samples import write_flat_samples
-from draftline.stage import run_stage
-from draftline.tokenizing import Budget, default_workers, load_tokenizer, tokenize_source
+from draftline.pipeline import config
+from draftline.tokenize import vocab
+from draftline.tokenize.conversations import check_roles
+from draftline.tokenize.sources import open_source
+from draftline.formats import write_flat_samples
+from draftline.pipeline.stage import run_stage
+from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
 
 log = logging.getLogger("draftline.tokenize")
 

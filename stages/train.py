@@ -10,7 +10,7 @@ the key hashes the train config (without the launch keys: a run resumes on anoth
 of GPUs) and the prepared data.
 
 With ``train.gpus > 1`` or ``train.nodes > 1`` this process re-launches the stage under
-torchrun (``draftline.launch``) and exits with its status; rank 0 alone writes the stamp,
+torchrun (``draftline.pipeline.launch``) and exits with its status; rank 0 alone writes the stamp,
 checkpoints, the draft and the manifest, so a run where any rank failed leaves no manifest.
 """
 
@@ -24,8 +24,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, launch
-from draftline.stage import run_stage
+from draftline.pipeline import artifacts, config, launch
+from draftline.pipeline.stage import run_stage
 
 log = logging.getLogger("draftline.train")
 
@@ -73,7 +73,7 @@ def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
 
 
 def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
-    from draftline import training
+    from draftline.train import loop
 
     prepare_dir = config.stage_dir(cfg, "prepare")
     prepared = artifacts.read_manifest(prepare_dir)
@@ -83,7 +83,7 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     if world.distributed:
         launch.init_process_group(device, float(cfg.train.collective_timeout_s))
     try:
-        result = training.train(
+        result = loop.train(
             prepared["shards"], prepare_dir / prepared["index"],
             vocab_path(cfg),
             str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),

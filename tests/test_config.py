@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline import artifacts, config
+from draftline.pipeline import artifacts, config
 
 EXPERIMENTS = sorted(p.stem for p in (config.CONF_DIR / "experiment").glob("*.yaml"))
 

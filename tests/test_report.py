@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftline import artifacts, config, report
+from draftline import report
+from draftline.pipeline import artifacts, config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOG = """\

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from draftline import config, reproduce
+from draftline import reproduce
+from draftline.pipeline import config
 
 
 def recorded_manifest(stage: str, threads_config, threads_applied: int) -> dict:
@@ -35,7 +36,7 @@ def test_a_thread_count_left_to_torch_stays_left_to_it_where_the_default_is_the_
 
 def fake_upstream(run_dir: Path, index: bytes = b"index", shard_sha: str = "a" * 64, host: str = "one") -> None:
     """The manifests and files train's run key reads, with a host and wall time of their own."""
-    from draftline import artifacts
+    from draftline.pipeline import artifacts
 
     for stage, fields in {"prepare": {"index": "index.safetensors"},
                           "extract": {"shards": [{"file": "shard-00000.safetensors", "sha256": shard_sha}]},

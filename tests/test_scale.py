@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline import artifacts, launch, tiny
+from draftline.pipeline import artifacts, launch
+from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
 
@@ -487,7 +488,7 @@ def sbatch_options(script: str) -> dict[str, str]:
 
 
 def test_slurm_scripts_run_make_targets_and_keys_that_exist():
-    from draftline import config
+    from draftline.pipeline import config
 
     cfg = config.compose(["experiment=kimi-k2.5"])  # what deploy/slurm/common.sh's example extends
     scripts = {p.name: p.read_text() for p in (DEPLOY / "slurm").iterdir()}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from draftline import tiny
+from draftline.tiny import targets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def run_stage(stage: str, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return tiny.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 @pytest.mark.parametrize("content, message", [

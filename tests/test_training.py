@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftline import tiny
-from draftline.train_data import (
+from draftline.tiny import targets as tiny
+from draftline.train.loader import (
     MappedShard,
     PackedLoader,
     ShardSampleDataset,
@@ -28,9 +28,9 @@ from draftline.train_data import (
     plan_steps,
     steps_in_epochs,
 )
-from draftline.train_checkpoint import latest_checkpoint
-from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
-from draftline.training import train
+from draftline.train.checkpoint import latest_checkpoint
+from draftline.train.draft import build_draft, check_draft_with_vllm, set_attention
+from draftline.train.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 AUX_IDS = [2, 3, 4]
@@ -66,7 +66,7 @@ def _hidden_slots(model, ids: list[int]) -> torch.Tensor:
     """[T, 4, H]: inputs of the aux layers, then the final state after the final norm."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny)
+    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny.targets)
     return torch.stack([states[i][0] for i in AUX_IDS] + [states[-1][0]], dim=1)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.vocab import coverage, draft_vocab_mapping, token_frequencies, validate_mapping
+from draftline.tokenize.vocab import coverage, draft_vocab_mapping, token_frequencies, validate_mapping
 
 # --------------------------------------------------------------------------- frequencies
 

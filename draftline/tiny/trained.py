@@ -1,6 +1,6 @@
 """A tiny Llama target trained briefly on the embedded corpus, so its drafts mean something.
 
-    python -m draftline.target_training experiment=tiny-trained     # or: make target
+    python -m draftline.tiny.trained experiment=tiny-trained     # or: make target
 
 A random target's greedy token is nearly a fixed function of the current token (its random
 layers barely mix context), so a bigram table predicts it as well as any EAGLE draft and
@@ -8,7 +8,7 @@ acceptance numbers say nothing.  Trained for a few CPU minutes on the chat-rende
 conversations, the target's next token depends on context, and a draft reading its hidden
 states can beat the frequency baselines.
 
-What is trained: ``draftline.tiny.build_tiny_llama`` (the model config's shape, the random
+What is trained: ``draftline.tiny.targets.build_tiny_llama`` (the model config's shape, the random
 target's tokenizer and seed) as a causal LM on every token of the chat-rendered
 conversations, packed into ``seq_length`` chunks.  Conversations that ``prepare`` will hold out (the same
 ``is_validation`` coin on the conversation index, which is the sample id when tokenize skips
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from draftline import artifacts
+from draftline.pipeline import artifacts
 
-log = logging.getLogger("draftline.target_training")
+log = logging.getLogger("draftline.tiny.trained")
 BUILD_RECORD = "build.json"
 
 
@@ -61,7 +61,7 @@ class TargetTrainSpec:
 
 def split_conversations(conversations: list, fraction: float, seed: int) -> tuple[list, list]:
     """(kept for training, held out): the held-out ones are those ``prepare`` will hold out."""
-    from draftline.preparation import is_validation
+    from draftline.prepare import is_validation
 
     held = [is_validation(i, fraction, seed) for i in range(len(conversations))]
     return ([c for c, h in zip(conversations, held, strict=True) if not h],
@@ -70,7 +70,7 @@ def split_conversations(conversations: list, fraction: float, seed: int) -> tupl
 
 def encode(tokenizer, conversations: list, seq_length: int) -> list[list[int]]:
     """Chat-rendered token ids per conversation, truncated like tokenize does."""
-    from draftline.chat import encode_conversation
+    from draftline.tokenize.chat import encode_conversation
 
     return [encode_conversation(tokenizer, messages, seq_length, sample=i).input_ids
             for i, messages in enumerate(conversations)]
@@ -146,7 +146,7 @@ def ensure_corpus(cfg: DictConfig) -> Path:
     """The embedded conversations, written by the same builder `make` stamping uses."""
     path = Path(cfg.data.path)
     if cfg.data.build:
-        from draftline import embedded
+        from draftline.tiny import embedded
 
         embedded.ensure_conversations(path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
     if not path.exists():
@@ -158,15 +158,16 @@ def build_trained_target(cfg: DictConfig) -> Path:
     """Build ``cfg.model.path``: the random tiny Llama, then ``model.train`` steps of LM training."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from draftline import numerics, tiny
-    from draftline.conversations import load_conversations
+    from draftline.pipeline import numerics
+    from draftline.tiny import targets
+    from draftline.tokenize.conversations import load_conversations
 
     spec = TargetTrainSpec.from_config(cfg.model.train)
     corpus = ensure_corpus(cfg)
     out = Path(cfg.model.path)
     start = time.monotonic()
     with artifacts.atomic_dir(out) as tmp:
-        tiny.build_tiny_llama(tmp, num_layers=int(cfg.model.num_layers),
+        targets.build_tiny_llama(tmp, num_layers=int(cfg.model.num_layers),
                               hidden_size=int(cfg.model.hidden_size),
                               num_heads=int(cfg.model.num_heads),
                               num_kv_heads=int(cfg.model.num_kv_heads),
@@ -202,14 +203,14 @@ def build_trained_target(cfg: DictConfig) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m draftline.target_training experiment=NAME [overrides]``; fails loudly."""
-    from draftline import config
+    """``python -m draftline.tiny.trained experiment=NAME [overrides]``; fails loudly."""
+    from draftline.pipeline import config
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     cfg = config.compose(argv)
     if "train" not in cfg.model:
         raise SystemExit(f"model {cfg.model.name} has no model.train block: nothing to train")
-    from draftline import numerics
+    from draftline.pipeline import numerics
 
     numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
     path = build_trained_target(cfg)

@@ -10,7 +10,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, deps, numerics
+from draftline.pipeline import artifacts, config, deps, numerics
 
 log = logging.getLogger("draftline")
 
@@ -45,7 +45,7 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
     try:
         applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
         fields = work(cfg)
-        # What the run imported, read from this process once the work is done (draftline.deps).
+        # What the run imported, read from this process once the work is done (draftline.pipeline.deps).
         recorded = deps.loaded(config.stage_files(cfg, stage), deps.union(previous, *parts()))
     except BaseException:
         log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)

@@ -166,7 +166,7 @@ def write_vocab(path: str | Path, ids: Iterable[Sequence[int]], masks: Iterable[
     """
     from safetensors.torch import save_file
 
-    from draftline.artifacts import atomic_path
+    from draftline.pipeline.artifacts import atomic_path
 
     freq = token_frequencies(zip(ids, masks), target_vocab)  # [target_vocab]
     d2t, t2d = draft_vocab_mapping(freq, draft_vocab)

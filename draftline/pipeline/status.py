@@ -1,12 +1,12 @@
 """`make` helpers: write every stage's stamps, say which stages are stale and why, accept.
 
-    python -m draftline.status stamp tiny -- train.lr=1e-3
-    python -m draftline.status show runs/tiny
-    python -m draftline.status accept runs/tiny extract
+    python -m draftline.pipeline.status stamp tiny -- train.lr=1e-3
+    python -m draftline.pipeline.status show runs/tiny
+    python -m draftline.pipeline.status accept runs/tiny extract
 
 Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
 Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
-imported, draftline.deps: project files, package versions, patch queues, Python, named files,
+imported, draftline.pipeline.deps: project files, package versions, patch queues, Python, named files,
 as they are now). When ``deps.json`` matches what the manifest recorded it carries the
 manifest's own mtime, so only a real difference makes the stage stale. ``accept`` records in
 the manifest that a user kept the outputs across such a difference.
@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _stat_key(paths: list[Path]) -> list:
@@ -68,18 +68,18 @@ def stamp_is_fresh(exp: str, argv: list[str]) -> bool:
 def ensure_assets(cfg) -> None:
     """Build project-made inputs that do not exist yet (deterministic builders), only at the
     project's own paths (``config.check_owned_paths``)."""
-    from draftline import config
+    from draftline.pipeline import config
 
     config.check_owned_paths(cfg)
     model_dir = Path(cfg.model.path)
     if cfg.model.build and not (model_dir / "config.json").exists():
-        from draftline import tiny
+        from draftline.tiny import targets
 
-        builders = {"tiny_llama": tiny.build_tiny_llama, "tiny_deepseek_v3": tiny.build_tiny_deepseek_v3,
-                    "tiny_kimi_k25": tiny.build_tiny_kimi_k25}
+        builders = {"tiny_llama": targets.build_tiny_llama, "tiny_deepseek_v3": targets.build_tiny_deepseek_v3,
+                    "tiny_kimi_k25": targets.build_tiny_kimi_k25}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
     if cfg.data.build:
-        from draftline import embedded
+        from draftline.tiny import embedded
 
         embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
 
@@ -91,7 +91,7 @@ def _asset_inputs(cfg) -> list[str]:
 def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
     """Build the experiment's project-made inputs (Make's own step, never a dry run's: the
     stamp step only reads). Skipped when nothing they depend on changed since the last build."""
-    from draftline import artifacts, config
+    from draftline.pipeline import artifacts, config
 
     cache = Path("runs") / exp / ".assets-cache.json"
     if cache.exists():
@@ -107,7 +107,7 @@ def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
 def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
     """Compose once, rewrite the stamps that changed, save the key. Builds nothing and writes
     nothing outside the run dir: it runs under `make -n` too (``build_assets`` builds)."""
-    from draftline import artifacts, config
+    from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     config.check_owned_paths(cfg)
@@ -135,7 +135,7 @@ def recorded_deps(manifest: dict) -> dict | None:
 
 
 def _expected_deps(recorded: dict | None, files: list[str]) -> dict | None:
-    from draftline import deps
+    from draftline.pipeline import deps
 
     if recorded is None:
         return None
@@ -146,7 +146,7 @@ def _expected_deps(recorded: dict | None, files: list[str]) -> dict | None:
 def sync_deps_stamp(stage_dir: Path, files: list[str]) -> bool:
     """Rewrite ``deps.json`` when its content changes; give it the manifest's mtime when it
     equals what the manifest recorded, so Make reruns the stage only for a real difference."""
-    from draftline import artifacts
+    from draftline.pipeline import artifacts
 
     stamp, manifest_path = stage_dir / DEPS_STAMP, stage_dir / artifacts.MANIFEST
     if not manifest_path.exists():
@@ -175,7 +175,7 @@ def _config_differences(recorded: dict, now: dict, prefix: str = "") -> list[str
 
 def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> list[str]:
     """Why ``stage_dir``'s outputs are stale, each reason named; [] when up to date."""
-    from draftline import artifacts, deps
+    from draftline.pipeline import artifacts, deps
 
     manifest_path = stage_dir / artifacts.MANIFEST
     if not manifest_path.exists():
@@ -199,7 +199,7 @@ def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> l
 
 def stage_files(run_dir: Path, stage: str) -> list[str]:
     """The extra files the stage's stamped config names (see config.stage_files)."""
-    from draftline import artifacts
+    from draftline.pipeline import artifacts
 
     stamp = run_dir / stage / artifacts.STAMP
     gate = artifacts.read_json(stamp).get("evaluate", {}).get("gate") if stamp.exists() else None
@@ -208,7 +208,7 @@ def stage_files(run_dir: Path, stage: str) -> list[str]:
 
 def show_status(run_dir: Path) -> list[str]:
     """One line per stage in pipeline order, with every reason it is stale."""
-    from draftline import config
+    from draftline.pipeline import config
 
     lines, upstream_stale, upstream = [], False, None
     for stage in config.STAGES:
@@ -229,7 +229,7 @@ def accept(run_dir: Path, stage: str) -> list[str]:
     import getpass
     import platform
 
-    from draftline import artifacts, config, deps
+    from draftline.pipeline import artifacts, config, deps
 
     if stage not in config.STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {config.STAGES}")
@@ -297,7 +297,8 @@ def main() -> None:
     argv = sys.argv[1:]
     if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
         return  # nothing that feeds a stamp changed since the last compose
-    from draftline import config, embedded
+    from draftline.pipeline import config
+    from draftline.tiny import embedded
 
     try:
         build_cli()()

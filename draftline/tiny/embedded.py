@@ -1,7 +1,7 @@
 """The embedded inputs: committed files, checked against pinned sha256 on every use.
 
-    python -m draftline.embedded check     # both files match their pinned hashes
-    python -m draftline.embedded build     # rebuild them from this interpreter (maintainers)
+    python -m draftline.tiny.embedded check     # both files match their pinned hashes
+    python -m draftline.tiny.embedded build     # rebuild them from this interpreter (maintainers)
 
 The conversation set (``data.build: embedded``) and the corpus the tiny targets' tokenizer is
 trained on are made from Python standard-library docstrings, which differ between Python patch
@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftline.artifacts import atomic_path, sha256_file
+from draftline.pipeline.artifacts import atomic_path, sha256_file
 
 DATA_DIR = Path(__file__).resolve().parent / "embedded_data"
 CONVERSATIONS = "conversations.jsonl"
@@ -57,9 +57,9 @@ def verified(name: str) -> Path:
     actual = sha256_file(path)
     if actual != PINNED_SHA256[name]:
         raise EmbeddedDataError(
-            f"{path} has sha256 {actual}, pinned {PINNED_SHA256[name]} in draftline/embedded.py: "
+            f"{path} has sha256 {actual}, pinned {PINNED_SHA256[name]} in draftline/tiny/embedded.py: "
             "the embedded data was edited without updating the pin (a rebuild belongs in its own "
-            "reviewed commit: python -m draftline.embedded build)")
+            "reviewed commit: python -m draftline.tiny.embedded build)")
     return path
 
 
@@ -292,7 +292,7 @@ def main(argv: list[str]) -> None:
             print(f"{name}: sha256 {digest} (built with Python {platform.python_version()}; "
                   f"pin it in PINNED_SHA256)")
     else:
-        raise SystemExit("usage: python -m draftline.embedded check|build")
+        raise SystemExit("usage: python -m draftline.tiny.embedded check|build")
 
 
 if __name__ == "__main__":

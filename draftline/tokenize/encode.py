@@ -1,6 +1,6 @@
 """Conversations -> training samples, in parallel, with every skip counted by reason.
 
-The main process streams records from a :class:`~draftline.data_sources.Source`,
+The main process streams records from a :class:`~draftline.tokenize.sources.Source`,
 normalises them (cheap) and hands batches of conversations to ``workers`` spawned
 processes, each with its own tokenizer, which render, mask and window them (the slow
 part).  Results come back in submission order and are placed by rank, so the samples, their
@@ -26,10 +26,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from draftline import remote_code
-from draftline.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
-from draftline.conversations import DataError, RecordSkip, normalize
-from draftline.data_sources import Source, select_records
+from draftline import target
+from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
+from draftline.tokenize.conversations import DataError, RecordSkip, normalize
+from draftline.tokenize.sources import Source, select_records
 
 __all__ = ["Budget", "Tally", "TokenizedSet", "load_tokenizer", "tokenize_source", "default_workers"]
 
@@ -44,7 +44,7 @@ PROGRESS_SECONDS = 30.0  # log progress at most this often
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    trust = remote_code.check(model_dir, trust_remote_code)
+    trust = target.check(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     if not tokenizer.chat_template:
         raise ValueError(f"{model_dir}: tokenizer has no chat_template")

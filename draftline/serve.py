@@ -8,7 +8,7 @@ tokens of each verification step (one request at a time, so each step is one dra
 ``serve_command`` is the `vllm serve` command line `make serve` runs.
 
 vLLM sets up process-global state, so measurements run in a child process
-(``python -m draftline.serving <job> REQUEST OUT``) and hand back JSON.
+(``python -m draftline.serve <job> REQUEST OUT``) and hand back JSON.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def run_job(job: str, request: dict, options: EngineOptions, timeout: float = 36
     with tempfile.TemporaryDirectory() as tmp:
         request_path, out_path = Path(tmp) / "request.json", Path(tmp) / "out.json"
         request_path.write_text(json.dumps({**request, "options": dataclasses.asdict(options)}))
-        command = [sys.executable, "-m", "draftline.serving", job, str(request_path), str(out_path)]
+        command = [sys.executable, "-m", "draftline.serve", job, str(request_path), str(out_path)]
         env = {**os.environ, **options.environment()}
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         if result.returncode != 0 or not out_path.exists():
@@ -249,9 +249,9 @@ def generate_timed(options: EngineOptions, draft: str | Path | None, k: int | No
 
 
 def main(argv: list[str]) -> None:
-    """``python -m draftline.serving JOB REQUEST OUT``: the child side of ``run_job``."""
+    """``python -m draftline.serve JOB REQUEST OUT``: the child side of ``run_job``."""
     if len(argv) != 3 or argv[0] not in JOBS:
-        raise SystemExit(f"usage: python -m draftline.serving {{{','.join(JOBS)}}} REQUEST OUT")
+        raise SystemExit(f"usage: python -m draftline.serve {{{','.join(JOBS)}}} REQUEST OUT")
     logging.basicConfig(level=logging.INFO)
     result = JOBS[argv[0]](json.loads(Path(argv[1]).read_text()))
     Path(argv[2]).write_text(json.dumps(result))

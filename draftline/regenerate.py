@@ -4,7 +4,7 @@ Why: at serving time the draft continues text the *target* wrote.  Trained on th
 replies, a draft learns the distribution it will be asked to predict; evaluated on them, the
 offline acceptance estimate is exact (every stored context is the context vLLM would verify),
 where on other text it is teacher-forced beyond the first draft position
-(``draftline.evaluation`` explains the alignment).
+(``draftline.evaluate.offline`` explains the alignment).
 
 Turn by turn, on token ids (no text round trip): reply ``r`` of every sample is generated from
 the sample's prefix with replies ``< r`` already regenerated.  What lies between replies (user

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline.artifacts import atomic_path
+from draftline.pipeline.artifacts import atomic_path
 
 
 def write_samples(path: str | Path, input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:

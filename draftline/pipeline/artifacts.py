@@ -159,7 +159,7 @@ def git_revision(repo: str | Path = ".") -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def lock_hashes(repo: str | Path = Path(__file__).resolve().parents[1]) -> dict[str, str]:
+def lock_hashes(repo: str | Path = Path(__file__).resolve().parents[2]) -> dict[str, str]:
     """sha256 of each requirements/*.lock of the checkout (or image) the run came from."""
     return {path.name: sha256_file(path) for path in sorted(Path(repo, "requirements").glob("*.lock"))}
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.artifacts import atomic_path
+from draftline.pipeline.artifacts import atomic_path
 
 
 def validate_shard(path: Path, num_slots: int, hidden_size: int) -> list[tuple[int, int, int, int]]:

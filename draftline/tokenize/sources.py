@@ -19,7 +19,7 @@ Only a JSON list is read whole (a JSON array cannot be streamed with the standar
 everything else is streamed, so memory does not grow with the file.  A hub name is resolved
 with ``huggingface_hub.snapshot_download(local_files_only=True)`` and its parquet or JSON(L)
 files of the requested split are read like local files; nothing is ever downloaded, so a
-name that is not cached is a :class:`~draftline.conversations.DataError` that says how to
+name that is not cached is a :class:`~draftline.tokenize.conversations.DataError` that says how to
 get it.
 
 Record selection (``max_samples``, a seeded shuffle) is by record number, so it picks the
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from draftline import artifacts
-from draftline.conversations import DataError
+from draftline.pipeline import artifacts
+from draftline.tokenize.conversations import DataError
 
 __all__ = ["RawRecord", "Source", "open_source", "select_records"]
 

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from jinja2.exceptions import TemplateError
 
-from draftline.conversations import DataError
+from draftline.tokenize.conversations import DataError
 
 __all__ = [
     "ChatTemplateError",

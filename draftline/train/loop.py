@@ -2,7 +2,7 @@
 
 Reused from speculators: the model and its forward (TTT rollout, KL loss, per-step
 accuracies), its config classes and ``save_pretrained`` format, its data alignment
-(``shift_batch``), packing sampler and collate (see ``draftline.train_data``), and the
+(``shift_batch``), packing sampler and collate (see ``draftline.train.loader``), and the
 optimisation recipe of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip
 1.0).  Not reused: ``Trainer`` itself and its checkpointers -- they move the model to
 ``local_rank`` (an int, so CUDA) and load checkpoints with ``map_location="cuda:0"``,
@@ -15,17 +15,17 @@ after ~90 s of compiling), so CPU runs call it under
 ``torch.compiler.set_stance("force_eager")`` -- documented API, scoped to the forward call
 and restored afterwards, unlike the process-global ``torch._dynamo.config.disable`` or
 ``TORCHDYNAMO_DISABLE=1`` -- and use the dense-mask SDPA kernel from
-``draftline.train_model``.
+``draftline.train.draft``.
 
-Resume (``draftline.train_checkpoint``): the latest complete checkpoint of the same run spec
+Resume (``draftline.train.checkpoint``): the latest complete checkpoint of the same run spec
 is loaded and the same planned batches are replayed from there (``plan_steps``), so on CPU
 (same torch thread count) a resumed run ends with bit-identical weights.
 
 Speed (``python -m benchmarks.train`` measures it): ``precision`` (``auto``: bf16 autocast
-over float32 master weights on CUDA, float32 on CPU; see ``draftline.train_model.Precision``)
-and the packed, pinned, prefetched loader of ``draftline.train_data.PackedLoader``.
+over float32 master weights on CUDA, float32 on CPU; see ``draftline.train.draft.Precision``)
+and the packed, pinned, prefetched loader of ``draftline.train.loader.PackedLoader``.
 
-Several processes (torchrun, ``draftline.launch``): ``world`` says which rank this is.
+Several processes (torchrun, ``draftline.pipeline.launch``): ``world`` says which rank this is.
 ``max_tokens_per_step`` stays the global budget: each of N ranks packs ``1/N`` of it with
 speculators' distributed sampler (one global packing, dealt out by rank, the same number of
 batches on every rank), the draft is wrapped in ``DistributedDataParallel`` (gradients
@@ -54,10 +54,10 @@ from speculators.train.distributed_batch_sampler import MultipackDistributedBatc
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_linear_schedule_with_warmup
 
-from draftline.artifacts import atomic_dir
-from draftline.launch import World
-from draftline.train_checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
-from draftline.train_data import (
+from draftline.pipeline.artifacts import atomic_dir
+from draftline.pipeline.launch import World
+from draftline.train.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
+from draftline.train.loader import (
     HIDDEN_KEYS,
     PackedLoader,
     ShardSampleDataset,
@@ -68,7 +68,7 @@ from draftline.train_data import (
     plan_steps,
     steps_in_epochs,
 )
-from draftline.train_model import (
+from draftline.train.draft import (
     Eagle3DraftModel,
     Precision,
     apply_precision,

@@ -1,4 +1,4 @@
-"""Load chat conversations and normalise them (the embedded set: draftline.embedded).
+"""Load chat conversations and normalise them (the embedded set: draftline.tiny.embedded).
 
 Two record styles are accepted and normalised to ``[{"role", "content"}, ...]``
 with roles ``system`` / ``user`` / ``assistant``:
@@ -12,7 +12,7 @@ named with ``field``.  Role names are mapped through ``roles`` (``data.roles``;
 :data:`DEFAULT_ROLES` covers the ShareGPT and OpenAI spellings).
 
 Where records come from (JSON, JSONL, parquet, ``datasets`` directories, hub
-names from the local cache) is :mod:`draftline.data_sources`' business; the
+names from the local cache) is :mod:`draftline.tokenize.sources`' business; the
 locations in messages are its ``file:line`` / ``file[row]`` strings.
 
 What real data gets wrong, and what happens (every skip is a :class:`RecordSkip`
@@ -223,14 +223,14 @@ def load_conversations(
 ) -> tuple[list[Conversation], list[Skipped]]:
     """Load and normalise every conversation of a source into memory.
 
-    ``path`` is anything :func:`draftline.data_sources.open_source` reads.  Bad
+    ``path`` is anything :func:`draftline.tokenize.sources.open_source` reads.  Bad
     records are collected as :class:`Skipped`; if there are more than
     ``max_skipped`` a :class:`DataError` quotes the count and the first few.  The
     whole source is scanned first so the count is the real total.  A source that
     yields no conversation at all is an error too, because an empty dataset
     would only fail later, far from its cause.
     """
-    from draftline.data_sources import open_source  # it imports DataError from here
+    from draftline.tokenize.sources import open_source  # it imports DataError from here
 
     if max_skipped < 0:
         raise ValueError(f"max_skipped must be >= 0, got {max_skipped}")

@@ -4,7 +4,7 @@ Every builder writes a complete Hugging Face model directory (float32
 safetensors weights, ``config.json``, ``generation_config.json`` and the
 tokenizer files) that both transformers and vLLM's CPU engine can load.
 Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on
-the committed corpus of Python standard-library docstrings (draftline.embedded),
+the committed corpus of Python standard-library docstrings (draftline.tiny.embedded),
 and the weights are drawn from a seeded torch generator.
 
 Same arguments -> byte-identical files (for a fixed torch / transformers /
@@ -32,7 +32,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from draftline.artifacts import atomic_dir
+from draftline.pipeline.artifacts import atomic_dir
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -91,8 +91,8 @@ def _seeded(seed: int) -> Iterator[None]:
 
 def default_corpus() -> list[str]:
     """The tokenizer's training text: the committed stdlib-docstring corpus
-    (draftline.embedded), identical on every interpreter."""
-    from draftline import embedded
+    (draftline.tiny.embedded), identical on every interpreter."""
+    from draftline.tiny import embedded
 
     return embedded.tokenizer_corpus()
 

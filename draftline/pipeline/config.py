@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 STAGES = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate", "report")
 # The config groups each stage reads. Upstream changes reach a stage through the upstream
 # manifest, so a stage's stamp holds only what it reads itself.
@@ -58,7 +58,7 @@ class NotAProjectPath(ValueError):
 def check_data_path(cfg) -> None:
     """Refuse the embedded set at a ``data.path`` of the user's (it would be read as the set)."""
     if cfg.data.build:
-        from draftline import embedded
+        from draftline.tiny import embedded
 
         embedded.check_data_path(cfg.data.path, cfg.assets_dir)
 
@@ -131,8 +131,8 @@ def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float 
     """How to start vLLM on the run's target: the model config plus one stage's engine
     settings (``section`` holds max_model_len, and optionally max_num_seqs,
     gpu_memory_utilization, cpu_kvcache_gib)."""
-    from draftline import remote_code
-    from draftline.serving import EngineOptions
+    from draftline import target as remote_code
+    from draftline.serve import EngineOptions
 
     model = cfg.model
     return EngineOptions(

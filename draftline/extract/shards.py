@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.artifacts import atomic_path, read_json, sha256_file, write_json
+from draftline.pipeline.artifacts import atomic_path, read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -4,7 +4,7 @@ Each holds the trainable weights (safetensors) and the optimizer in float32 -- s
 checkpointer stores bfloat16, which would make a resumed run drift from an uninterrupted
 one -- plus the LR scheduler and ``state.json`` (step, epoch, run spec, last metrics).  A
 checkpoint is written into a dot-prefixed temporary sibling and renamed into place
-(``draftline.artifacts.atomic_dir``), so a process killed mid-save never leaves a directory
+(``draftline.pipeline.artifacts.atomic_dir``), so a process killed mid-save never leaves a directory
 that ``latest_checkpoint`` accepts.  (The rename is atomic, not fsync-durable: a power loss
 right after a save is outside what this guards.)
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline.artifacts import atomic_dir
+from draftline.pipeline.artifacts import atomic_dir
 
 __all__ = ["trainable_state", "latest_checkpoint", "save_checkpoint", "resume_checkpoint"]
 
