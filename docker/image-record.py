@@ -4,7 +4,7 @@
                     [--patches NAME@sha256:HEX,...] [--vllm-patches NAME@sha256:HEX,...]
 
 Every ``--expect`` must match the installed distribution; ``--patches`` and ``--vllm-patches``
-(``make image`` passes the queues in patches/ and patches/vllm/; empty: not compared) must equal
+(``make image`` passes the queues in patches/speculators/ and patches/vllm/; empty: not compared) must equal
 what draftline.patchq recorded in the installed speculators and vllm, and each record must name
 the distribution and version that are installed: the image's labels carry the same values, so
 a label can never disagree with what is installed. OUT (JSON) holds the versions of every
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--stack", required=True, choices=("cpu", "gpu"))
     parser.add_argument("--expect", action="append", default=[], metavar="NAME==VERSION")
     parser.add_argument("--patches", default="", metavar="NAME@sha256:HEX,...",
-                        help="speculators' queue (patches/)")
+                        help="speculators' queue (patches/speculators/)")
     parser.add_argument("--vllm-patches", default="", metavar="NAME@sha256:HEX,...",
                         help="vLLM's queue (patches/vllm/)")
     parser.add_argument("--input", action="append", default=[], metavar="KEY=VALUE")

@@ -206,10 +206,16 @@ def run_stage(stage: str, cfg: dict, work_dir: Path) -> float:
 # --------------------------------------------------------------------------- comparison
 
 
+# train's resume dir, train/<key>/ (stages.train.run_key: 12 hex digits).
+TRAIN_KEY_DIR = re.compile(r"[0-9a-f]{12}")
+
+
 def output_files(stage_dir: Path) -> dict[str, Path]:
-    """Output files by path relative to the stage dir; a resume key dir (train/runs/<key>/,
+    """Output files by path relative to the stage dir; a resume key dir (train/<key>/,
     regenerate/chunks/<key>/: hashes of config, paths, upstream manifests) is named by its
-    position instead."""
+    position instead. A run made before the draft moved out of train/runs/<key>/ lists its
+    files as train/<key>/ does, so it compares with a replay made now. The run's draft link,
+    <run dir>/draft, lies outside every stage dir: the draft is compared once, in train/."""
     files = {}
     for path in sorted(p for p in stage_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(stage_dir)
@@ -218,6 +224,10 @@ def output_files(stage_dir: Path) -> dict[str, Path]:
         parts = list(rel.parts)
         if len(parts) > 2 and parts[0] in ("runs", "chunks"):
             parts[1] = "<key>"
+            if parts[0] == "runs":  # train/runs/<key>/ of a run made before the move
+                parts = parts[1:]
+        elif len(parts) > 1 and stage_dir.name == "train" and TRAIN_KEY_DIR.fullmatch(parts[0]):
+            parts[0] = "<key>"
         files["/".join(parts)] = path
     return files
 

@@ -769,7 +769,7 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 def smoke_run() -> Path:
     """runs/tiny-trained, evaluated: built here only when `make report EXP=tiny-trained` has not."""
     run = REPO / "runs/tiny-trained"
-    if not (REPO / "runs/_assets/tiny-llama-trained/build.json").exists():
+    if not (REPO / "runs/_assets/tiny-trained/build.json").exists():
         built = _run(sys.executable, "-m", "draftline.tiny.trained", "experiment=tiny-trained")
         assert built.returncode == 0, built.stderr[-4000:]
     if not (run / "evaluate/manifest.json").exists():
@@ -815,7 +815,7 @@ def _broken_run(smoke_run: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     for stage in ("tokenize", "regenerate", "extract", "prepare", "train"):
         shutil.copytree(smoke_run / stage, run / stage,
-                        ignore=shutil.ignore_patterns("shard-*", "runs", "checkpoints", "samples.*", "chunks"))
+                        ignore=shutil.ignore_patterns("shard-*", "checkpoints", "samples.*", "chunks"))
     draft = json.loads((smoke_run / "train/manifest.json").read_text())["draft"]
     shutil.copytree(REPO / draft, tmp_path / "draft")
     tensors = load_file(str(tmp_path / "draft/model.safetensors"))

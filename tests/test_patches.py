@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PATCHES = sorted((REPO / "patches").glob("*.diff"))
+PATCHES = sorted((REPO / "patches" / "speculators").glob("*.diff"))
 WORKER = "speculators/data_generation/custom_worker.py"
 
 

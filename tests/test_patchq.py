@@ -263,3 +263,13 @@ def test_cli_exit_codes(site: Path, tmp_path: Path) -> None:
     write_patch(Path(patches), "0003-three.diff", udiff(GEN, GEN_V1, GEN_V0))
     changed = cli("apply", *common)
     assert changed.returncode == 3 and "0003-three.diff" in changed.stderr
+
+
+def test_each_package_queue_is_its_own_folder_under_patches():
+    """patches/speculators/ and patches/vllm/ side by side, named after the package; no diff
+    lies loose in patches/."""
+    assert {name: pkg.patch_dir for name, pkg in patchq.PACKAGES.items()} == \
+        {name: patchq.PATCH_ROOT / name for name in patchq.PACKAGES}
+    for pkg in patchq.PACKAGES.values():
+        assert patchq.list_patch_files(pkg.patch_dir), pkg.patch_dir
+    assert not list(patchq.PATCH_ROOT.glob("*.diff"))

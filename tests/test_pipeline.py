@@ -73,7 +73,7 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
         provenance = manifest["provenance"]
         assert provenance["config_sha256"] and provenance["versions"]["speculators"] == "0.3.0"
         assert [p["name"] for p in provenance["patches"]] == sorted(
-            p.name for p in (REPO / "patches").glob("*.diff"))
+            p.name for p in (REPO / "patches" / "speculators").glob("*.diff"))
         assert [p["name"] for p in provenance["vllm_patches"]] == sorted(
             p.name for p in (REPO / "patches" / "vllm").glob("*.diff"))
     # vLLM is installed here, so the saved draft's vLLM parse ran and nothing was skipped.

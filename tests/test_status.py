@@ -361,9 +361,9 @@ def test_applied_queue_reads_the_appliers_record(tmp_path, monkeypatch):
     assert deps.applied_queue("dl_fake_unpatched") is None
     assert deps.applied_queue("dl_fake_namespace") is None
     assert deps.applied_queue("dl_fake_not_installed_anywhere") is None
-    # The real one, as `make setup` applied it: patches/*.diff in order, by their bytes.
+    # The real one, as `make setup` applied it: patches/speculators/*.diff in order, by their bytes.
     assert deps.applied_queue("speculators") == [
-        f"{p.name}@{_sha(p)}" for p in sorted((REPO / "patches").glob("*.diff"))]
+        f"{p.name}@{_sha(p)}" for p in sorted((REPO / "patches" / "speculators").glob("*.diff"))]
 
 
 def test_project_file_is_a_project_source_file_or_none(tmp_path):

@@ -74,6 +74,26 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+def point_link(link: str | Path, target: str | Path) -> Path:
+    """Make ``link`` a symlink to ``target`` in one step, relative to the link's folder (the
+    pair moves and mounts together): a new link under a temporary name, then ``os.replace``
+    over the old one, so a reader finds the old target or the new one, never none. A real
+    file or directory at ``link`` is not replaced (os.replace refuses a directory)."""
+    link = Path(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    relative = os.path.relpath(os.path.abspath(target), os.path.abspath(link.parent))
+    tmp = link.parent / f".{link.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(relative, tmp)
+    try:
+        if link.exists() and not link.is_symlink():
+            raise FileExistsError(f"{link} exists and is not a link: not replaced")
+        os.replace(tmp, link)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return link
+
+
 def write_json(path: str | Path, data: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")

@@ -12,8 +12,9 @@ manifest's own mtime, so only a real difference makes the stage stale. ``accept`
 the manifest that a user kept the outputs across such a difference.
 
 Stamping composes the config once for all stages and writes only under the run dir, since it
-runs under `make -n` too; ``assets`` (Make's step before it, skipped by a dry run) builds the
-project's own inputs (tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
+runs under `make -n` too; ``assets`` (a Make rule of its own, run before stamping and skipped
+by a dry run; its target is runs/<exp>/.assets-cache.json) builds the project's own inputs
+(tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
 of file stats alone (conf/, the project's code, the installed packages and patch records, the
 inputs the last compose named) and skips Hydra entirely when nothing changed.
 """
@@ -93,7 +94,7 @@ def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
     stamp step only reads). Skipped when nothing they depend on changed since the last build."""
     from draftline.pipeline import artifacts, config
 
-    cache = Path("runs") / exp / ".assets-cache.json"
+    cache = Path("runs") / exp / ".assets-cache.json"  # the Makefile's $(EXP_ASSETS)
     if cache.exists():
         saved = artifacts.read_json(cache)
         if saved["key"] == _cache_key(argv, saved["inputs"]):
