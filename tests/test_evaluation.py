@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from draftline.evaluate import in_vllm, offline, rollout, stats
 from draftline import regenerate
 from stages.evaluate import GateFailed, apply_gate, check_features
+from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "tests/assets/tau_gate.json"
@@ -596,7 +597,7 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     from draftline.pipeline import config
     from stages.evaluate import vllm_failures
 
-    cfg = config.compose(["experiment=tiny"])
+    cfg = compose("tiny")
     failures = vllm_failures(cfg, {**result, "on_target_text": True})
     assert len(failures) == 1 and "disagrees with the offline estimate" in failures[0]
     assert vllm_failures(cfg, {**result, "on_target_text": False}) == []
@@ -612,7 +613,7 @@ def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine(
     from draftline.pipeline import config
     from stages.evaluate import vllm_failures
 
-    cfg = config.compose(["experiment=tiny"])
+    cfg = compose("tiny")
     good = {"on_target_text": True, "replies": 6, "text_mismatches": 0, "mismatched": [], "agrees": True,
             "vllm": {"tau": 1.5, "acceptance": [0.4]}, "offline": {"tau": 1.5, "tau_ci": [1.4, 1.6],
             "acceptance_ci": [[0.3, 0.5]]}, "paired_difference": {"difference": 0.0, "ci": [0.0, 0.0]}}
@@ -627,8 +628,7 @@ def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine(
     assert len(vllm_failures(cfg, {**disagrees, **other_text, "agrees": False})) == 2
     # Replies the target did not write (e.g. a fixed dataset's) are not held to either rule.
     assert vllm_failures(cfg, {**disagrees, **other_text, "agrees": False, "on_target_text": False}) == []
-    relaxed = config.compose(["experiment=tiny", "evaluate.vllm.require_agreement=false",
-                              "evaluate.vllm.max_text_mismatches=1"])
+    relaxed = compose("tiny", "evaluate.vllm.require_agreement=false", "evaluate.vllm.max_text_mismatches=1")
     assert vllm_failures(relaxed, {**disagrees, **other_text, "agrees": False}) == []
 
 

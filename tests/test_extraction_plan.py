@@ -23,6 +23,7 @@ from draftline.pipeline import artifacts, config
 from draftline.tiny import targets
 from draftline.formats import write_samples
 from stages import extract as extract_stage
+from conftest import compose
 
 
 # --------------------------------------------------------------------------- plans
@@ -64,7 +65,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def tiny_cfg(model_dir: Path, *overrides: str):
-    return config.compose(["experiment=tiny", f"model.path={model_dir}", *overrides])
+    return compose("tiny", f"model.path={model_dir}", *overrides)
 
 
 def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):

@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 from draftline import report
 from draftline.pipeline import artifacts, config
 
+from conftest import compose
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOG = """\
 - step 1/3 loss 3.0 | ttt0 loss 1.0 acc 0.1 cond 0.1 | ttt1 loss 1.0 acc 0.0 cond 0.0 | lr 1e-4
@@ -91,7 +93,7 @@ def run_dir(tmp_path) -> Path:
 def test_report_is_one_self_contained_page(run_dir):
     from stages.report import run
 
-    cfg = config.compose(["experiment=tiny", f"run_dir={run_dir}"])
+    cfg = compose("tiny", f"run_dir={run_dir}")
     fields = run(cfg)
     page = (run_dir / "report/index.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -127,7 +129,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     if shutil.which("chromium") is None:
         raise RuntimeError("DRAFTLINE_REQUIRE_CHROMIUM=1 but chromium is not on PATH")
 
-    run(config.compose(["experiment=tiny", f"run_dir={run_dir}"]))
+    run(compose("tiny", f"run_dir={run_dir}"))
     shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

@@ -10,9 +10,11 @@ from omegaconf import OmegaConf
 from draftline import reproduce
 from draftline.pipeline import config
 
+from conftest import compose
+
 
 def recorded_manifest(stage: str, threads_config, threads_applied: int) -> dict:
-    cfg = config.compose(config.experiment_overrides("tiny", []))
+    cfg = compose("tiny")
     resolved = config.stage_config(cfg, stage)
     resolved["numerics"]["torch_threads"] = threads_config
     return {"provenance": {"config": resolved, "numerics": {"torch_threads": threads_applied}}}
@@ -53,7 +55,7 @@ def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_pa
     from stages import train as train_stage
 
     def key(run_dir: Path, *overrides: str) -> str:
-        cfg = config.compose(config.experiment_overrides("tiny", [f"run_dir={run_dir}", *overrides]))
+        cfg = compose("tiny", f"run_dir={run_dir}", *overrides)
         return train_stage.run_key(cfg, run_dir / "prepare")
 
     fake_upstream(tmp_path / "a")

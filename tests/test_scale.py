@@ -26,6 +26,7 @@ from draftline.pipeline import artifacts, launch
 from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
+from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds for one stage run (imports dominate on a busy 2-core box)
@@ -490,7 +491,7 @@ def sbatch_options(script: str) -> dict[str, str]:
 def test_slurm_scripts_run_make_targets_and_keys_that_exist():
     from draftline.pipeline import config
 
-    cfg = config.compose(["experiment=kimi-k2.5"])  # what deploy/slurm/common.sh's example extends
+    cfg = compose("kimi-k2.5")  # what deploy/slurm/common.sh's example extends
     scripts = {p.name: p.read_text() for p in (DEPLOY / "slurm").iterdir()}
     assert set(scripts) == {"common.sh", "submit.sh", "regenerate.sbatch", "extract.sbatch", "train.sbatch"}
     for name in scripts:

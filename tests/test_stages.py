@@ -10,6 +10,8 @@ import pytest
 
 from draftline.tiny import targets
 
+from conftest import compose
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -139,7 +141,7 @@ def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
     from stages import train as train_stage
 
     run_dir = tmp_path / "runs" / "x"
-    cfg = config.compose(config.experiment_overrides("tiny", [f"run_dir={run_dir}"]))
+    cfg = compose("tiny", f"run_dir={run_dir}")
     for key in ("0123456789ab", "ba9876543210"):
         draft = run_dir / "train" / key / "draft"
         draft.mkdir(parents=True)
