@@ -72,6 +72,7 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
     """Seconds for the extract stage's path: generator + shard packing + writes."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
+    from draftline import formats
     from draftline.extract import shards
 
     generator = VllmHiddenStatesGenerator(
@@ -85,7 +86,7 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
     progress = shards.Progress(sum(lengths), 0)
     start = time.perf_counter()
     shards.extract_shards(generator, plans, batch, masks, out_dir, token_budget=8192,
-                              save_dtype="bfloat16", metadata={"fingerprint": "benchmark"},
+                              save_dtype="bfloat16", metadata={formats.FINGERPRINT: "benchmark"},
                               progress=progress)
     seconds = time.perf_counter() - start
     progress.close()

@@ -34,20 +34,20 @@ def parse_args() -> argparse.Namespace:
 
 def heldout_prompts(run_dir: Path, limit: int | None) -> tuple[list[list[int]], list[int]]:
     """Every held-out reply's prompt (the tokens before it) and its length."""
+    from draftline import formats
     from draftline.pipeline import artifacts
-    from draftline.evaluate.offline import read_rows
     from draftline.regenerate import reply_spans
-    from draftline.train.loader import load_split
 
     prepared = artifacts.read_manifest(run_dir / "prepare")
-    rows = load_split(run_dir / "prepare" / prepared["index"], "validation")
+    rows = formats.load_split(run_dir / "prepare" / prepared["index"], formats.VALIDATION)
     prompts, lengths = [], []
     for shard_index in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == shard_index]
-        for data in read_rows(Path(prepared["shards"][shard_index]), mine[:, 1].tolist(),
-                              ("input_ids", "loss_mask")):
-            ids = data["input_ids"].tolist()
-            for a, b in reply_spans(data["loss_mask"].bool().tolist()):
+        for data in formats.read_shard_rows(Path(prepared["shards"][shard_index]),
+                                            mine[:, 1].tolist(),
+                                            (formats.INPUT_IDS, formats.LOSS_MASK)):
+            ids = data[formats.INPUT_IDS].tolist()
+            for a, b in reply_spans(data[formats.LOSS_MASK].bool().tolist()):
                 prompts.append(ids[:a])
                 lengths.append(b - a)
     return prompts[:limit], lengths[:limit]

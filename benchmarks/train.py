@@ -99,12 +99,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftline import formats
 from draftline.pipeline import launch
 from draftline.train.loader import (
+    HIDDEN_KEYS,
     PackedLoader,
     ShardSampleDataset,
-    load_split,
-    load_vocab_mapping,
     make_sampler,
     plan_steps,
 )
@@ -314,22 +314,27 @@ def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, m
         paths.append(path)
         first += count
     index = root / "split.safetensors"
-    save_file({"train": torch.tensor(rows, dtype=torch.int64),
-               "validation": torch.zeros(0, 3, dtype=torch.int64)}, str(index))
+    formats.write_split_index(index, torch.tensor(rows, dtype=torch.int64),
+                              torch.zeros(0, 3, dtype=torch.int64))
     return paths, index
 
 
 def _shard_tensors(dims: Dims, lengths: list[int], first_id: int,
                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random samples packed as the extract stage packs them (every token in the loss)."""
     tokens = sum(lengths)
-    hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)
-    return {
-        "hidden_states": hidden,  # [tokens, slots, H]
-        "input_ids": torch.randint(0, dims.vocab, (tokens,), generator=generator),
-        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-        "sample_offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
-        "sample_ids": torch.arange(first_id, first_id + len(lengths), dtype=torch.int64),
-    }
+    hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)  # [tokens, slots, H]
+    ids = torch.randint(0, dims.vocab, (tokens,), generator=generator)  # [tokens]
+    mask = torch.ones(tokens, dtype=torch.uint8)  # [tokens]
+    sample_ids = range(first_id, first_id + len(lengths))
+    results, masks, start = {}, {}, 0
+    for sample_id, length in zip(sample_ids, lengths):
+        span = slice(start, start + length)
+        # What the hidden-state generator returns per sample: one [T, H] tensor per slot.
+        results[sample_id] = {"hidden_states": list(hidden[span].unbind(1)), "input_ids": ids[span]}
+        masks[sample_id] = mask[span]
+        start += length
+    return formats.pack_shard(tuple(sample_ids), results, masks, "bfloat16")
 
 
 def drop_page_cache(paths: Iterable[Path]) -> None:
@@ -461,7 +466,7 @@ def loader_alone(loader: PackedLoader, device: str) -> tuple[float, float]:
     nbytes, tokens, start = 0, 0, time.perf_counter()
     for batch in batches:
         nbytes += sum(batch[k].numel() * batch[k].element_size()
-                      for k in ("hidden_states", "verifier_last_hidden_states"))
+                      for k in HIDDEN_KEYS)
         tokens += int(batch["lengths"].sum())
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -496,7 +501,7 @@ def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: st
 def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session, steps: int,
                 tokens: int) -> tuple[PackedLoader, list[int]]:
     """This rank's loader over its share of the shards, and the dataset rows it will read."""
-    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     world = session.world
     sampler = make_sampler(dataset.lengths, tokens, args.seed, world.rank, world.world_size)
     batches = [batch for _, batch in plan_steps(sampler, 0, steps)]
@@ -536,7 +541,7 @@ def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_si
     generator = torch.Generator().manual_seed(args.seed)
     write_verifier(workdir / "verifier", dims, generator)
     d2t, t2d = vocab_mapping(dims, generator)
-    save_file({"d2t": d2t, "t2d": t2d}, str(workdir / "vocab.safetensors"))
+    formats.write_vocab_mapping(workdir / "vocab.safetensors", d2t, t2d)
     per_rank = args.tokens_per_step // world_size if args.split_budget else args.tokens_per_step
     tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world_size
     mean = args.sample_len or max(2, per_rank // 8)
@@ -549,7 +554,7 @@ def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_si
 
 
 def load_inputs(workdir: Path) -> Inputs:
-    d2t, t2d = load_vocab_mapping(workdir / "vocab.safetensors")
+    d2t, t2d = formats.load_vocab_mapping(workdir / "vocab.safetensors")
     shards = sorted((workdir / "shards").glob("shard-*.safetensors"))
     return Inputs(workdir / "verifier", d2t, t2d, shards, workdir / "shards" / "split.safetensors")
 
@@ -559,7 +564,7 @@ def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
     drop_page_cache(inputs.shards)
     print(f"sequential read (cold cache): {sequential_read(inputs.shards):.2f} GB/s",
           flush=True)
-    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
     batches = [batch for _, batch in plan_steps(sampler, 0, args.warmup + args.steps)]
     loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,

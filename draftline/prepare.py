@@ -10,20 +10,18 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from draftline.pipeline.artifacts import atomic_path
+from draftline import formats
 
 
 def validate_shard(path: Path, num_slots: int, hidden_size: int) -> list[tuple[int, int, int, int]]:
     """Check one shard's shapes, offsets and values; return (sample_id, row, length, masked)."""
-    with safe_open(str(path), framework="pt") as handle:
-        hidden = handle.get_tensor("hidden_states")  # [tokens, num_slots, hidden]
-        ids = handle.get_tensor("input_ids")  # [tokens]
-        mask = handle.get_tensor("loss_mask")  # [tokens]
-        offsets = handle.get_tensor("sample_offsets")  # [samples + 1]
-        sample_ids = handle.get_tensor("sample_ids")  # [samples]
+    shard = formats.read_shard(path)
+    hidden = shard[formats.HIDDEN_STATES]  # [tokens, num_slots, hidden]
+    ids = shard[formats.INPUT_IDS]  # [tokens]
+    mask = shard[formats.LOSS_MASK]  # [tokens]
+    offsets = shard[formats.SAMPLE_OFFSETS]  # [samples + 1]
+    sample_ids = shard[formats.SAMPLE_IDS]  # [samples]
     tokens = ids.shape[0]
     if hidden.shape != (tokens, num_slots, hidden_size):
         raise ValueError(f"{path}: hidden_states {tuple(hidden.shape)}")
@@ -60,8 +58,8 @@ def split_rows(rows: list[tuple[int, int, int, int, int]], fraction: float, seed
 
 
 def write_index(path: Path, train: list, validation: list) -> None:
+    """The split index of rows (shard, sample_id, row, length, masked), as formats keeps it."""
     def table(rows: list) -> torch.Tensor:  # [n, 3]: shard, row in shard, length
         return torch.tensor([[r[0], r[2], r[3]] for r in rows], dtype=torch.int64).reshape(-1, 3)
 
-    with atomic_path(path) as tmp:
-        save_file({"train": table(train), "validation": table(validation)}, str(tmp))
+    formats.write_split_index(path, table(train), table(validation))

@@ -139,7 +139,7 @@ def run(cfg: DictConfig) -> dict:
     from draftline.evaluate.offline import (ALIGNMENT, baseline_drafts, count_tokens, evaluate_offline,
                                             greedy_coverage, load_heldout)
     from draftline.evaluate.rollout import DraftRunner, Eagle3Draft, load_draft, num_speculative_tokens
-    from draftline.train.loader import load_split
+    from draftline.formats import TRAIN, VALIDATION, load_split
     from draftline.train.draft import load_verifier_head, read_verifier
 
     out_dir = config.stage_dir(cfg, "evaluate")
@@ -154,9 +154,9 @@ def run(cfg: DictConfig) -> dict:
 
     _, head = load_verifier_head(read_verifier(cfg.model.path))  # [V, H]
     index = prepare_dir / prepared["index"]
-    samples = load_heldout(prepared["shards"], load_split(index, "validation"), head,
+    samples = load_heldout(prepared["shards"], load_split(index, VALIDATION), head,
                                       cfg.evaluate.max_samples)
-    unigram, bigram = count_tokens(prepared["shards"], load_split(index, "train"),
+    unigram, bigram = count_tokens(prepared["shards"], load_split(index, TRAIN),
                                               head.shape[0])
     model = load_draft(draft, cfg.model.path)
     runner = DraftRunner(model)

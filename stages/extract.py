@@ -34,10 +34,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import target
+from draftline import formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config, launch
-from draftline.formats import read_samples
 from draftline.pipeline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
@@ -47,12 +46,12 @@ REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by it
 TARGET_DIGEST_CACHE = ".target-sha256.json"
 
 
-def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> shards.TargetShape:
+def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> target.TargetShape:
     """Every check that can fail before a (possibly 25-minute) model load. ``replicas``: the
     engines this process may start, whose devices are checked (None: it starts none)."""
     target.check(cfg.model.path, bool(cfg.model.trust_remote_code))
-    shape = shards.read_target_shape(cfg.model.path)
-    shards.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
+    shape = target.read_target_shape(cfg.model.path)
+    target.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
     if (shape.num_layers, shape.hidden_size) != (cfg.model.num_layers, cfg.model.hidden_size):
         raise ValueError(f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
             f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
@@ -133,7 +132,7 @@ def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:
     resolved = config.stage_config(cfg, "extract")
     return artifacts.config_hash({
         "samples": artifacts.sha256_file(samples_path),
-        "target": shards.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
+        "target": target.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
         **{group: {key: value for key, value in resolved[group].items() if key not in skipped}
            for group, skipped in NOT_IN_SHARD_BYTES.items()},
     })
@@ -156,7 +155,7 @@ class Inputs:
     regenerate_dir: Path
     samples: list[list[int]]
     masks: list[list[int]]
-    shape: shards.TargetShape
+    shape: target.TargetShape
     plans: list[shards.ShardPlan]
     fingerprint: str
 
@@ -165,7 +164,7 @@ def read_inputs(cfg: DictConfig, replicas: int | None = 1) -> Inputs:
     regenerate_dir = config.stage_dir(cfg, "regenerate")
     regenerate_manifest = artifacts.read_manifest(regenerate_dir)
     samples_path = regenerate_dir / regenerate_manifest["samples"]
-    samples, masks = read_samples(samples_path)
+    samples, masks = formats.read_samples(samples_path)
     lengths = [len(s) for s in samples]
     shape = preflight(cfg, lengths, replicas)
     return Inputs(config.stage_dir(cfg, "extract"), regenerate_dir, samples, masks, shape,
@@ -174,12 +173,8 @@ def read_inputs(cfg: DictConfig, replicas: int | None = 1) -> Inputs:
 
 
 def shard_metadata(cfg: DictConfig, inputs: Inputs) -> dict[str, str]:
-    return {
-        "fingerprint": inputs.fingerprint,
-        "aux_layer_ids": str(list(cfg.model.aux_layer_ids)),
-        "slots": "aux layer inputs in aux_layer_ids order, then final post-norm state",
-        "hidden_size": str(inputs.shape.hidden_size),
-    }
+    return formats.shard_metadata(inputs.fingerprint, list(cfg.model.aux_layer_ids),
+                                  inputs.shape.hidden_size)
 
 
 def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],

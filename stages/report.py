@@ -20,15 +20,13 @@ UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
 
 def run(cfg: DictConfig) -> dict:
-    from safetensors.torch import load_file
-
-    from draftline import report
+    from draftline import formats, report
 
     manifests = {stage: artifacts.read_manifest(config.stage_dir(cfg, stage)) for stage in UPSTREAM}
     evaluation = {**artifacts.read_json(config.stage_dir(cfg, "evaluate") / manifests["evaluate"]["results"]),
                   "gate": manifests["evaluate"]["gate"]}
     vocab = config.stage_dir(cfg, "regenerate") / manifests["regenerate"]["vocab"]
-    token_freq = load_file(str(vocab))["token_freq"]  # [target_vocab] masked-token counts
+    token_freq = formats.load_token_freq(vocab)  # [target_vocab] masked-token counts
     history, source = report.training_history(manifests["train"], Path(cfg.run_dir) / "logs" / "train.log")
     dpi = int(cfg.report.dpi)
     figures = {

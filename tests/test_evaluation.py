@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftline.evaluate import in_vllm, offline, rollout, stats
-from draftline import regenerate
+from draftline import formats, regenerate
 from stages.evaluate import GateFailed, apply_gate, check_features
 from conftest import compose
 
@@ -412,7 +412,7 @@ def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
         ids = torch.cat([torch.tensor(x) for x, _ in samples])
         mask = torch.cat([torch.tensor(m, dtype=torch.uint8) for _, m in samples])
         offsets = torch.tensor([0] + [len(x) for x, _ in samples]).cumsum(0)
-        save_file({"input_ids": ids, "loss_mask": mask, "sample_offsets": offsets}, str(path))
+        save_file({formats.INPUT_IDS: ids, formats.LOSS_MASK: mask, formats.SAMPLE_OFFSETS: offsets}, str(path))
         return path
 
     first = shard(tmp_path / "a.safetensors", [([1, 2, 3], [0, 1, 1]), ([4, 4, 4], [1, 1, 1])])
@@ -438,7 +438,8 @@ def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
     shard = tmp_path / "shard.safetensors"
-    save_file({"input_ids": ids, "loss_mask": mask, "sample_offsets": torch.tensor([0, 10])}, str(shard))
+    save_file({formats.INPUT_IDS: ids, formats.LOSS_MASK: mask,
+               formats.SAMPLE_OFFSETS: torch.tensor([0, 10])}, str(shard))
     unigram, bigram = offline.count_tokens([shard], torch.tensor([[0, 0, 10]]), 10)
     assert unigram.tolist()[1] == 3 and int(unigram.argmax()) == 1
     frequent, bigrams = offline.baseline_drafts(unigram, bigram)
@@ -894,8 +895,9 @@ def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
     """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
     its own rows."""
     def shard(path, ids, mask):
-        save_file({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                   "sample_offsets": torch.tensor([0, len(ids)])}, str(path))
+        save_file({formats.INPUT_IDS: torch.tensor(ids),
+                   formats.LOSS_MASK: torch.tensor(mask, dtype=torch.uint8),
+                   formats.SAMPLE_OFFSETS: torch.tensor([0, len(ids)])}, str(path))
         return path
 
     first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])

@@ -2,7 +2,7 @@
 disk estimate and the fingerprint that decides whether a shard on disk may be reused.
 
 All in-process and fast (no vLLM engine): `make mutation` runs these against mutants of
-draftline/extract/shards.py. The stage-level refusal through `python -m stages.extract` is in
+draftline/extract/shards.py, draftline/target.py and the shard part of draftline/formats.py. The stage-level refusal through `python -m stages.extract` is in
 tests/test_stages.py.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftline import formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config
 from draftline.tiny import targets
-from draftline.formats import write_samples
 from stages import extract as extract_stage
 from conftest import compose
 
@@ -69,27 +69,27 @@ def tiny_cfg(model_dir: Path, *overrides: str):
 
 
 def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):
-    assert shards.read_target_shape(model_dir) == shards.TargetShape(6, 256, "LlamaForCausalLM")
+    assert target.read_target_shape(model_dir) == target.TargetShape(6, 256, "LlamaForCausalLM")
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
     (wrapped / "config.json").write_text(json.dumps(
         {"architectures": ["KimiK25ForConditionalGeneration"],
          "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
-    assert shards.read_target_shape(wrapped) == shards.TargetShape(
+    assert target.read_target_shape(wrapped) == target.TargetShape(
         61, 7168, "KimiK25ForConditionalGeneration")
     with pytest.raises(FileNotFoundError, match="target model config not found"):
-        shards.read_target_shape(tmp_path / "missing")
+        target.read_target_shape(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 5], [2, 3, 4], [1]])
 def test_aux_ids_between_one_and_the_last_layer_are_accepted(ids):
-    shards.check_layer_ids(ids, shards.TargetShape(6, 8, "x"))
+    target.check_layer_ids(ids, target.TargetShape(6, 8, "x"))
 
 
 @pytest.mark.parametrize("ids", [[0, 2, 3], [2, 3, 6], [2, 2, 3], [-1, 2, 3]])
 def test_aux_ids_outside_the_layers_or_repeated_are_refused(ids):
     with pytest.raises(ValueError, match=r"invalid for a 6-layer target: need distinct ids in \[1, 5\]"):
-        shards.check_layer_ids(ids, shards.TargetShape(6, 8, "x"))
+        target.check_layer_ids(ids, target.TargetShape(6, 8, "x"))
 
 
 def test_preflight_passes_the_tiny_target(model_dir):
@@ -129,8 +129,9 @@ def test_bytes_per_token_and_the_disk_check(tmp_path):
 def write_planned_shard(path: Path, plan: shards.ShardPlan, fingerprint: str) -> None:
     results = {i: {"hidden_states": [torch.full((2, 4), float(i))] * 2, "input_ids": torch.arange(2)}
                for i in plan.sample_ids}
-    tensors = shards.pack_shard(plan, results, {i: [0, 1] for i in plan.sample_ids}, "float32")
-    shards.write_shard(path, tensors, {"fingerprint": fingerprint})
+    tensors = formats.pack_shard(plan.sample_ids, results, {i: [0, 1] for i in plan.sample_ids},
+                                 "float32")
+    formats.write_shard(path, tensors, {formats.FINGERPRINT: fingerprint})
 
 
 def test_a_shard_is_reused_only_with_the_same_fingerprint_and_samples(tmp_path):
@@ -147,12 +148,27 @@ def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
     plan = shards.ShardPlan(0, (7, 2), 5)
     results = {7: {"hidden_states": [torch.ones(3, 4), torch.zeros(3, 4)], "input_ids": torch.arange(3)},
                2: {"hidden_states": [torch.full((2, 4), 2.0)] * 2, "input_ids": torch.arange(10, 12)}}
-    tensors = shards.pack_shard(plan, results, {7: [0, 1, 1], 2: [1, 0]}, "bfloat16")
-    assert tensors["hidden_states"].shape == (5, 2, 4) and tensors["hidden_states"].dtype == torch.bfloat16
-    assert tensors["hidden_states"][:3, 0].eq(1).all() and tensors["hidden_states"][:3, 1].eq(0).all()
-    assert tensors["input_ids"].tolist() == [0, 1, 2, 10, 11]
-    assert tensors["loss_mask"].tolist() == [0, 1, 1, 1, 0] and tensors["loss_mask"].dtype == torch.uint8
-    assert tensors["sample_offsets"].tolist() == [0, 3, 5] and tensors["sample_ids"].tolist() == [7, 2]
+    tensors = formats.pack_shard(plan.sample_ids, results, {7: [0, 1, 1], 2: [1, 0]}, "bfloat16")
+    hidden = tensors[formats.HIDDEN_STATES]
+    assert hidden.shape == (5, 2, 4) and hidden.dtype == torch.bfloat16
+    assert hidden[:3, 0].eq(1).all() and hidden[:3, 1].eq(0).all()
+    assert tensors[formats.INPUT_IDS].tolist() == [0, 1, 2, 10, 11]
+    mask = tensors[formats.LOSS_MASK]
+    assert mask.tolist() == [0, 1, 1, 1, 0] and mask.dtype == torch.uint8
+    assert tensors[formats.SAMPLE_OFFSETS].tolist() == [0, 3, 5]
+    assert tensors[formats.SAMPLE_IDS].tolist() == [7, 2]
+
+
+def test_the_file_keys_are_the_ones_runs_on_disk_hold():
+    """Spelled out once here on purpose: a renamed key would leave every shard, index and
+    vocab mapping already written unreadable."""
+    assert (formats.INPUT_IDS, formats.LOSS_MASK, formats.SAMPLE_OFFSETS) == (
+        "input_ids", "loss_mask", "sample_offsets")
+    assert formats.SHARD_KEYS == (
+        "hidden_states", "input_ids", "loss_mask", "sample_offsets", "sample_ids")
+    assert (formats.SHARD_METADATA, formats.FINGERPRINT) == ("draftline", "fingerprint")
+    assert formats.SPLITS == ("train", "validation")
+    assert (formats.D2T, formats.T2D, formats.TOKEN_FREQ) == ("d2t", "t2d", "token_freq")
 
 
 def test_identical_shards_are_byte_identical_files(tmp_path):
@@ -227,16 +243,16 @@ def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shar
 def test_the_target_digest_reads_a_file_again_once_its_size_or_mtime_moves(model_dir, tmp_path):
     copy = shutil.copytree(model_dir, tmp_path / "target")
     cache = tmp_path / "cache.json"
-    base = shards.target_digest(copy, cache)
+    base = target.target_digest(copy, cache)
     weights = copy / "model.safetensors"
     stat = weights.stat()
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert shards.target_digest(copy, cache) != base
+    assert target.target_digest(copy, cache) != base
     with pytest.raises(FileNotFoundError, match="target model directory not found"):
-        shards.target_digest(tmp_path / "missing", cache)
+        target.target_digest(tmp_path / "missing", cache)
 
 
 # --------------------------------------------------------------------------- replicas and slices
@@ -287,7 +303,7 @@ def sliced_run(tmp_path: Path, model_dir: Path, lengths: list[int]):
     """A run dir as regenerate leaves it (samples, manifest) and the composed config."""
     regenerate_dir = tmp_path / "run" / "regenerate"
     ids = [[7 + (i + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
-    write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
+    formats.write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
     artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10")
     fingerprint = extract_stage.shard_fingerprint(cfg, regenerate_dir / "samples.safetensors")
@@ -339,7 +355,7 @@ def test_a_batch_that_fills_the_budget_exactly_closes_it():
 
 def test_a_config_without_architectures_reads_as_unknown(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
-    assert shards.read_target_shape(tmp_path).architecture == "unknown"
+    assert target.read_target_shape(tmp_path).architecture == "unknown"
 
 
 def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
@@ -357,21 +373,22 @@ def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
     from safetensors.torch import save_file
 
     plan = shards.ShardPlan(0, (3,), 2)
-    save_file({"sample_ids": torch.tensor([3])}, str(tmp_path / plan.name))
+    save_file({formats.SAMPLE_IDS: torch.tensor([3])}, str(tmp_path / plan.name))
     assert not shards.shard_is_complete(tmp_path / plan.name, plan, "abc")
 
 
 def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
     tensors = {"x": torch.arange(3)}
-    shards.write_shard(tmp_path / "a.safetensors", tensors, {"fingerprint": "f", "aux": [1, 2]})
-    shards.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], "fingerprint": "f"})
+    formats.write_shard(tmp_path / "a.safetensors", tensors, {formats.FINGERPRINT: "f", "aux": [1, 2]})
+    formats.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], formats.FINGERPRINT: "f"})
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
 def test_packed_input_ids_are_int64_whatever_the_engine_returns():
     plan = shards.ShardPlan(0, (1,), 2)
     results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
-    assert shards.pack_shard(plan, results, {1: [0, 1]}, "float32")["input_ids"].dtype == torch.int64
+    packed = formats.pack_shard(plan.sample_ids, results, {1: [0, 1]}, "float32")
+    assert packed[formats.INPUT_IDS].dtype == torch.int64
 
 
 # --------------------------------------------------------------------------- scale-out edges that mutants found
@@ -439,7 +456,7 @@ def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
     cache = tmp_path / "cache.json"
-    assert shards.target_digest(root, cache) == digest.hexdigest()
+    assert target.target_digest(root, cache) == digest.hexdigest()
     recorded = artifacts.read_json(cache)
     weights = root / "sub/w.bin"
     assert recorded[str(weights.resolve())] == [
@@ -447,5 +464,5 @@ def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp
     stat = weights.stat()
     weights.write_bytes(b"WEIGHTS")
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert shards.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
-    assert shards.target_digest(root, cache) == digest.hexdigest()
+    assert target.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
+    assert target.target_digest(root, cache) == digest.hexdigest()

@@ -8,7 +8,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from draftline import formats
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def save_shard(path: Path, hidden, ids, mask, offsets, sample_ids) -> None:
+    """A shard's tensors as given, consistent or not (prepare is what checks them)."""
+    save_file({formats.HIDDEN_STATES: hidden, formats.INPUT_IDS: ids, formats.LOSS_MASK: mask,
+               formats.SAMPLE_OFFSETS: offsets, formats.SAMPLE_IDS: sample_ids}, str(path))
 
 
 def write_shard(path: Path, *, nan: bool = False, empty_sample: bool = False) -> Path:
@@ -17,8 +25,8 @@ def write_shard(path: Path, *, nan: bool = False, empty_sample: bool = False) ->
     if nan:
         hidden[3, 1, 2] = float("nan")
     offsets = torch.tensor([0, 3, 3, 5] if empty_sample else [0, 3, 5])
-    save_file({"hidden_states": hidden, "input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.uint8),
-               "sample_offsets": offsets, "sample_ids": torch.arange(len(offsets) - 1)}, str(path))
+    save_shard(path, hidden, torch.arange(5), torch.ones(5, dtype=torch.uint8), offsets,
+               torch.arange(len(offsets) - 1))
     return path
 
 
@@ -64,14 +72,12 @@ def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
     from draftline.prepare import validate_shard
 
     path = tmp_path / "short.safetensors"
-    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
-               "loss_mask": torch.ones(5, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 4]),
-               "sample_ids": torch.arange(2)}, str(path))
+    save_shard(path, torch.zeros(5, 2, 4), torch.arange(5), torch.ones(5, dtype=torch.uint8),
+               torch.tensor([0, 3, 4]), torch.arange(2))
     with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
         validate_shard(path, 2, 4)
-    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
-               "loss_mask": torch.ones(4, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 5]),
-               "sample_ids": torch.arange(2)}, str(path))
+    save_shard(path, torch.zeros(5, 2, 4), torch.arange(5), torch.ones(4, dtype=torch.uint8),
+               torch.tensor([0, 3, 5]), torch.arange(2))
     with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
         validate_shard(path, 2, 4)
 
@@ -132,10 +138,12 @@ def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
     train, validation = [(0, 11, 1, 9, 3), (1, 20, 0, 4, 4)], [(0, 10, 0, 7, 2)]
     write_index(tmp_path / "index.safetensors", train, validation)
     index = load_file(str(tmp_path / "index.safetensors"))
-    assert index["train"].tolist() == [[0, 1, 9], [1, 0, 4]] and index["train"].dtype == torch.int64
-    assert index["validation"].tolist() == [[0, 0, 7]]
+    assert set(index) == {formats.TRAIN, formats.VALIDATION}
+    assert index[formats.TRAIN].tolist() == [[0, 1, 9], [1, 0, 4]]
+    assert index[formats.TRAIN].dtype == torch.int64
+    assert index[formats.VALIDATION].tolist() == [[0, 0, 7]]
     write_index(tmp_path / "empty.safetensors", train, [])
-    assert load_file(str(tmp_path / "empty.safetensors"))["validation"].shape == (0, 3)
+    assert load_file(str(tmp_path / "empty.safetensors"))[formats.VALIDATION].shape == (0, 3)
 
 
 # --------------------------------------------------------------------------- edges that mutants found
@@ -160,13 +168,13 @@ def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_
     from draftline.prepare import validate_shard, write_index
 
     path = tmp_path / "one.safetensors"
-    save_file({"hidden_states": torch.zeros(3, 2, 4), "input_ids": torch.arange(3),
-               "loss_mask": torch.ones(3, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 1, 3]),
-               "sample_ids": torch.tensor([5, 6])}, str(path))
+    save_shard(path, torch.zeros(3, 2, 4), torch.arange(3), torch.ones(3, dtype=torch.uint8),
+               torch.tensor([0, 1, 3]), torch.tensor([5, 6]))
     assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
     write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
     index = load_file(str(tmp_path / "index.safetensors"))
-    assert index["validation"].dtype == torch.int64 and index["validation"].shape == (0, 3)
+    assert index[formats.VALIDATION].dtype == torch.int64
+    assert index[formats.VALIDATION].shape == (0, 3)
 
 
 def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftline import report
+from draftline import formats, report
 from draftline.pipeline import artifacts, config
 
 from conftest import compose
@@ -57,7 +57,7 @@ def _write(stage_dir: Path, manifest: dict) -> None:
 def run_dir(tmp_path) -> Path:
     """Manifests shaped like a real run's (k = 2), small enough to write by hand."""
     run = tmp_path / "run"
-    save_file({"token_freq": torch.arange(64, 0, -1)}, str(tmp_path / "vocab.safetensors"))
+    save_file({formats.TOKEN_FREQ: torch.arange(64, 0, -1)}, str(tmp_path / "vocab.safetensors"))
     (run / "tokenize").mkdir(parents=True)
     shutil.copy(tmp_path / "vocab.safetensors", run / "tokenize/vocab.safetensors")
     _write(run / "tokenize", {"vocab": "vocab.safetensors", "draft_vocab_size": 16, "target_vocab_size": 64,

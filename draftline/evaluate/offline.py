@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from draftline import formats
 from draftline.evaluate.stats import Counts, bootstrap
 from draftline.regenerate import reply_spans
 
@@ -76,15 +76,6 @@ class Sample:
     target_next: torch.Tensor  # [T] int64: y_t = argmax lm_head(final_t), the token for t+1
 
 
-def read_rows(shard: Path, rows: Sequence[int], keys: Sequence[str]) -> list[dict]:
-    """The given sample rows of one shard, only ``keys``: per row {key: tensor [T, ...]}."""
-    with safe_open(str(shard), framework="pt") as handle:
-        offsets = handle.get_tensor("sample_offsets")  # [samples + 1]
-        slices = {key: handle.get_slice(key) for key in keys}
-        return [{key: s[int(offsets[r]):int(offsets[r + 1])] for key, s in slices.items()}
-                for r in rows]
-
-
 @torch.no_grad()
 def greedy_tokens(final: torch.Tensor, head: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """argmax(lm_head(final)) per row: final [T, H], head [V, H] -> int64 [T] (chunked: big V)."""
@@ -99,14 +90,14 @@ def load_heldout(shards: Sequence[str | Path], rows: torch.Tensor, head: torch.T
     samples = []
     for shard_index in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == shard_index]
-        for row, data in zip(mine.tolist(), read_rows(
+        for row, data in zip(mine.tolist(), formats.read_shard_rows(
                 Path(shards[shard_index]), mine[:, 1].tolist(),
-                ("hidden_states", "input_ids", "loss_mask")), strict=True):
-            hidden = data["hidden_states"]  # [T, num_aux + 1, H]
+                (formats.HIDDEN_STATES, formats.INPUT_IDS, formats.LOSS_MASK)), strict=True):
+            hidden = data[formats.HIDDEN_STATES]  # [T, num_aux + 1, H]
             if hidden.shape[0] != row[2]:
                 raise ValueError(f"shard {shard_index} row {row[1]}: length {hidden.shape[0]} != index {row[2]}")
             samples.append(Sample(
-                input_ids=data["input_ids"].long(), loss_mask=data["loss_mask"].bool(),
+                input_ids=data[formats.INPUT_IDS].long(), loss_mask=data[formats.LOSS_MASK].bool(),
                 aux=hidden[:, :-1].float().flatten(1),
                 target_next=greedy_tokens(hidden[:, -1], head)))
     return samples
@@ -184,8 +175,9 @@ def count_tokens(shards: Sequence[str | Path], rows: torch.Tensor,
     bigram = torch.zeros(vocab * vocab, dtype=torch.long)
     for shard_index in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == shard_index][:, 1].tolist()
-        for data in read_rows(Path(shards[shard_index]), mine, ("input_ids", "loss_mask")):
-            ids, mask = data["input_ids"].long(), data["loss_mask"].bool()
+        for data in formats.read_shard_rows(Path(shards[shard_index]), mine,
+                                            (formats.INPUT_IDS, formats.LOSS_MASK)):
+            ids, mask = data[formats.INPUT_IDS].long(), data[formats.LOSS_MASK].bool()
             unigram += torch.bincount(ids[mask], minlength=vocab)
             pairs = ids[:-1] * vocab + ids[1:]  # [T-1], pair (x_i, x_{i+1})
             bigram += torch.bincount(pairs[mask[1:]], minlength=vocab * vocab)

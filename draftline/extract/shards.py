@@ -9,8 +9,6 @@ inside `extract_shards`) imports vLLM.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import re
 import shlex
@@ -18,14 +16,10 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from draftline.pipeline.artifacts import atomic_path, read_json, sha256_file, write_json
+from draftline import formats
+from draftline.pipeline.artifacts import read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ID_AND_MASK_BYTES = 8 + 1  # int64 input id + uint8 loss mask per token
 
 
@@ -38,15 +32,6 @@ class ShardPlan:
     @property
     def name(self) -> str:
         return f"shard-{self.index:05d}.safetensors"
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetShape:
-    """What the extraction needs to know about the target before loading it."""
-
-    num_layers: int
-    hidden_size: int
-    architecture: str
 
 
 def plan_shards(lengths: list[int], shard_tokens: int) -> list[ShardPlan]:
@@ -77,63 +62,8 @@ def plan_batches(sample_ids: tuple[int, ...], lengths: list[int], token_budget: 
     return batches
 
 
-def read_target_shape(model_dir: str | Path) -> TargetShape:
-    """Layer count, width and architecture from config.json (text_config for wrappers)."""
-    path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"target model config not found: {path}")
-    config = json.loads(path.read_text())
-    text = config.get("text_config", config)
-    return TargetShape(
-        num_layers=int(text["num_hidden_layers"]),
-        hidden_size=int(text["hidden_size"]),
-        architecture=(config.get("architectures") or ["unknown"])[0],
-    )
-
-
-# Files of a model directory that record how the project built it (with timings), not what the
-# target computes: left out of its digest.
-BUILD_RECORDS = ("build.json",)
-
-
-def target_digest(model_dir: str | Path, cache_path: Path) -> str:
-    """sha256 over the target's files: relative names and content, hidden files (download
-    caches, with their timestamps) and build records left out. Where the directory is, and when
-    its files were written, do not enter it. ``cache_path`` keeps each file's sha256 under its
-    path, size and mtime, so an unchanged target is hashed once, not on every run."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"target model directory not found: {root}")
-    cache = read_json(cache_path) if cache_path.exists() else {}
-    seen, digest = {}, hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or rel.name in BUILD_RECORDS:
-            continue
-        stat = path.stat()
-        key = str(path.resolve())
-        size_mtime = [stat.st_size, stat.st_mtime_ns]
-        entry = cache.get(key)
-        file_sha = entry[1] if entry and entry[0] == size_mtime else sha256_file(path)
-        seen[key] = [size_mtime, file_sha]
-        digest.update(rel.as_posix().encode() + b"\0" + file_sha.encode())
-    if seen != cache:
-        write_json(cache_path, seen)
-    return digest.hexdigest()
-
-
-def check_layer_ids(aux_layer_ids: list[int], shape: TargetShape) -> None:
-    """Aux id i captures the input of layer i: valid ids are 1 .. num_layers - 1."""
-    bad = [i for i in aux_layer_ids if not 0 < i < shape.num_layers]
-    if bad or len(set(aux_layer_ids)) != len(aux_layer_ids):
-        raise ValueError(
-            f"aux_layer_ids {list(aux_layer_ids)} invalid for a {shape.num_layers}-layer "
-            f"target: need distinct ids in [1, {shape.num_layers - 1}]"
-        )
-
-
 def bytes_per_token(num_slots: int, hidden_size: int, save_dtype: str) -> int:
-    return num_slots * hidden_size * DTYPES[save_dtype].itemsize + ID_AND_MASK_BYTES
+    return num_slots * hidden_size * formats.SAVE_DTYPES[save_dtype].itemsize + ID_AND_MASK_BYTES
 
 
 def check_disk(out_dir: Path, remaining_tokens: int, per_token: int, headroom: float) -> int:
@@ -157,39 +87,8 @@ def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
     """
     if not path.exists():
         return False
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = json.loads((handle.metadata() or {}).get("draftline", "{}"))
-        same_run = metadata.get("fingerprint") == fingerprint
-        sample_ids = tuple(handle.get_tensor("sample_ids").tolist())
-    return same_run and sample_ids == plan.sample_ids
-
-
-def pack_shard(plan: ShardPlan, results: dict[int, dict], loss_masks: dict[int, list[int]],
-               save_dtype: str) -> dict[str, torch.Tensor]:
-    """Concatenate per-sample results (in plan order) into the shard's tensors."""
-    slots, ids, masks, offsets = [], [], [], [0]
-    for sample_id in plan.sample_ids:
-        result = results[sample_id]
-        slots.append(torch.stack(result["hidden_states"], dim=1))  # [T, num_slots, H]
-        ids.append(result["input_ids"])
-        masks.append(torch.as_tensor(loss_masks[sample_id], dtype=torch.uint8))
-        offsets.append(offsets[-1] + len(result["input_ids"]))
-    return {
-        "hidden_states": torch.cat(slots).to(DTYPES[save_dtype]).contiguous(),
-        "input_ids": torch.cat(ids).to(torch.int64),
-        "loss_mask": torch.cat(masks),
-        "sample_offsets": torch.tensor(offsets, dtype=torch.int64),
-        "sample_ids": torch.tensor(plan.sample_ids, dtype=torch.int64),
-    }
-
-
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Atomic write. The metadata goes in as one JSON string: safetensors keeps header
-    metadata in a hash map whose order changes per process, and several keys would make
-    identical shards differ byte-wise between runs."""
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"draftline": json.dumps(metadata, sort_keys=True)})
-
+    metadata, sample_ids = formats.read_shard_identity(path)
+    return metadata.get(formats.FINGERPRINT) == fingerprint and sample_ids == plan.sample_ids
 
 
 class Progress:
@@ -223,7 +122,7 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
     written = []
     for plan in plans:
         path = out_dir / plan.name
-        if shard_is_complete(path, plan, metadata["fingerprint"]):
+        if shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
             continue
         results = {}
         start = time.monotonic()
@@ -232,7 +131,8 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
             results.update(zip(batch, outputs))
             progress.update(sum(lengths[i] for i in batch))
         masks = {i: loss_masks[i] for i in plan.sample_ids}
-        write_shard(path, pack_shard(plan, results, masks, save_dtype), metadata)
+        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype),
+                            metadata)
         # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.
         write_json(timing_path(path), {"seconds": time.monotonic() - start,
                                        "finished_unix": time.time()})

@@ -164,13 +164,10 @@ def write_vocab(path: str | Path, ids: Iterable[Sequence[int]], masks: Iterable[
 
     Returns (token_freq [target_vocab], t2d [target_vocab]) for coverage reporting.
     """
-    from safetensors.torch import save_file
-
-    from draftline.pipeline.artifacts import atomic_path
+    from draftline import formats
 
     freq = token_frequencies(zip(ids, masks), target_vocab)  # [target_vocab]
     d2t, t2d = draft_vocab_mapping(freq, draft_vocab)
     validate_mapping(d2t, t2d, target_vocab, draft_vocab)
-    with atomic_path(path) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "token_freq": freq}, str(tmp))
+    formats.write_vocab_mapping(path, d2t, t2d, freq)
     return freq, t2d

@@ -33,7 +33,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import LlamaConfig
 from transformers.modeling_utils import AttentionInterface
 
-from draftline.extract.shards import check_layer_ids, read_target_shape
+from draftline.target import check_layer_ids, read_target_shape
 
 __all__ = [
     "Eagle3DraftModel",

@@ -1,6 +1,6 @@
 """Training data for the draft: hidden-state shards -> speculators' packed batches, at GPU speed.
 
-Upstream stages write safetensors shards (``hidden_states`` [tokens, slots, H] with the aux
+Upstream stages write safetensors shards (layout and keys: ``draftline.formats``; ``hidden_states`` [tokens, slots, H] with the aux
 slots in order and the post-norm final slot last, ``input_ids``, ``loss_mask``,
 ``sample_offsets``, ``sample_ids``) and a split index whose rows are
 ``(shard_index, sample_row_in_shard, length)``.  speculators' conventions are kept exactly:
@@ -37,10 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from speculators.train.data import create_collate_fn, shift_batch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader, Dataset
+
+from draftline import formats
 
 __all__ = [
     "HIDDEN_KEYS",
@@ -49,8 +50,6 @@ __all__ = [
     "PackedLoader",
     "default_loader_threads",
     "fit_lengths",
-    "load_split",
-    "load_vocab_mapping",
     "make_sampler",
     "epoch_batches",
     "plan_steps",
@@ -58,7 +57,8 @@ __all__ = [
     "make_loader",
 ]
 
-SPLITS = ("train", "validation")
+# speculators' batch keys (shift_batch, collate, the draft's forward); the shard's own keys
+# are draftline.formats'.
 HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")  # int64 [1, max_tokens] each
 SAFETENSORS_DTYPES = {
@@ -70,31 +70,6 @@ SAFETENSORS_DTYPES = {
 # a cold disk (its plain sequential read: 1.8-2.1 GB/s), 22 GB/s from the page cache, against
 # ~2 GB/s consumed at 65k tokens/s; more would only add pinned buffers.
 MAX_DEFAULT_THREADS = 4
-
-
-def load_split(index_path: str | Path, split: str) -> torch.Tensor:
-    """Rows ``(shard_index, sample_row_in_shard, length)`` of one split: int64 [n, 3]."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    rows = load_file(str(index_path))[split]
-    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 3:
-        raise ValueError(f"{index_path}: {split!r} must be int64 [n, 3], got "
-                         f"{rows.dtype} {list(rows.shape)}")
-    return rows
-
-
-def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d2t`` int64 [draft_vocab] (target = draft + d2t[draft]) and ``t2d`` bool [target_vocab]."""
-    tensors = load_file(str(path))
-    d2t, t2d = tensors["d2t"], tensors["t2d"]
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise ValueError(f"{path}: need d2t int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
-    if int(t2d.sum()) != d2t.numel():
-        raise ValueError(f"{path}: t2d selects {int(t2d.sum())} tokens, d2t has {d2t.numel()}")
-    targets = torch.arange(d2t.numel()) + d2t  # [draft_vocab] target ids
-    if not bool(t2d[targets].all()):
-        raise ValueError(f"{path}: d2t maps draft ids to targets that t2d does not select")
-    return d2t, t2d
 
 
 # --------------------------------------------------------------------------- shards
@@ -189,8 +164,8 @@ class _ShardViews:
 
 def _open_views(path: str) -> _ShardViews:
     shard = MappedShard(path)
-    return _ShardViews(shard.tensor("hidden_states"), shard.tensor("input_ids"),
-                       shard.tensor("loss_mask"), shard)
+    return _ShardViews(shard.tensor(formats.HIDDEN_STATES), shard.tensor(formats.INPUT_IDS),
+                       shard.tensor(formats.LOSS_MASK), shard)
 
 
 class ShardSampleDataset(Dataset):
@@ -252,7 +227,7 @@ class ShardSampleDataset(Dataset):
                 raise ValueError(f"split index names shard {shard}, only "
                                  f"{len(self.shard_paths)} shard paths were given")
             views = self._shard(shard)
-            offsets[shard] = views.file.tensor("sample_offsets").tolist()
+            offsets[shard] = views.file.tensor(formats.SAMPLE_OFFSETS).tolist()
             self._check_slots(shard, list(views.hidden.shape))
         return offsets
 
@@ -291,7 +266,7 @@ class ShardSampleDataset(Dataset):
 
     def will_need(self, index: int) -> None:
         views, start, length = self._locate(index)
-        views.file.will_need("hidden_states", start, length)
+        views.file.will_need(formats.HIDDEN_STATES, start, length)
 
     def copy_into(self, index: int, batch: dict[str, torch.Tensor], offset: int,
                   limit: int) -> int:

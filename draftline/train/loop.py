@@ -54,6 +54,7 @@ from speculators.train.distributed_batch_sampler import MultipackDistributedBatc
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_linear_schedule_with_warmup
 
+from draftline.formats import TRAIN, VALIDATION, load_split, load_vocab_mapping
 from draftline.pipeline.artifacts import atomic_dir
 from draftline.pipeline.launch import World
 from draftline.train.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
@@ -62,8 +63,6 @@ from draftline.train.loader import (
     PackedLoader,
     ShardSampleDataset,
     epoch_batches,
-    load_split,
-    load_vocab_mapping,
     make_sampler,
     plan_steps,
     steps_in_epochs,
@@ -351,7 +350,7 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 def _validate(session: Session, shards: Sequence[str | Path], split_index: str | Path,
               max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
     """speculators' metrics averaged over the validation split ({} when it is empty)."""
-    rows = load_split(split_index, "validation")
+    rows = load_split(split_index, VALIDATION)
     if len(rows) < session.world.world_size:  # the distributed sampler would deal none
         return {}
     dataset = ShardSampleDataset(shards, rows)
@@ -427,7 +426,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     numerics = resolve_precision(precision, device)
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
-    train_set = ShardSampleDataset(shards, load_split(split_index, "train"))
+    train_set = ShardSampleDataset(shards, load_split(split_index, TRAIN))
     rank_tokens = _rank_tokens(max_tokens_per_step, world)
     sampler = _sampler(train_set.lengths, rank_tokens, seed, world)
     total = _total_steps(sampler, steps, epochs)
