@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftline.pipeline.artifacts import atomic_path, read_json, sha256_file, write_json
+from draftline.pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -191,30 +192,6 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
         save_file(tensors, str(tmp), metadata={"draftline": json.dumps(metadata, sort_keys=True)})
 
 
-
-class Progress:
-    """Tokens/s and ETA over the tokens this run processes (resumed shards excluded); a
-    replica child is ``quiet`` (its parent shows one bar for all replicas)."""
-
-    def __init__(self, total_tokens: int, done_tokens: int, quiet: bool = False):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
-                        desc="extract", smoothing=0.1, mininterval=2.0, disable=quiet)
-        self.start = time.monotonic()
-        self.tokens = 0
-
-    def update(self, tokens: int) -> None:
-        self.tokens += tokens
-        self.bar.update(tokens)
-
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(time.monotonic() - self.start, 1e-9)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
                    loss_masks: list[list[int]], out_dir: Path, token_budget: int,
                    save_dtype: str, metadata: dict[str, str], progress: Progress) -> list[dict]:
@@ -230,7 +207,7 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
         for batch in plan_batches(plan.sample_ids, lengths, token_budget):
             outputs = generator.generate([samples[i] for i in batch])
             results.update(zip(batch, outputs))
-            progress.update(sum(lengths[i] for i in batch))
+            progress.advance(sum(lengths[i] for i in batch))
         masks = {i: loss_masks[i] for i in plan.sample_ids}
         write_shard(path, pack_shard(plan, results, masks, save_dtype), metadata)
         # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.
