@@ -74,6 +74,7 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
 
     from draftline import formats
     from draftline.extract import shards
+    from draftline.pipeline.progress import TOKENS, Progress
 
     generator = VllmHiddenStatesGenerator(
         str(model_dir), layer_ids=[2, args.layers // 2, args.layers - 3],
@@ -83,13 +84,13 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
     lengths = [len(ids) for ids in batch]
     plans = shards.plan_shards(lengths, shard_tokens=8192)
     masks = [[1] * n for n in lengths]
-    progress = shards.Progress(sum(lengths), 0)
+    progress = Progress("extract", sum(lengths), unit=TOKENS)
     start = time.perf_counter()
     shards.extract_shards(generator, plans, batch, masks, out_dir, token_budget=8192,
                               save_dtype="bfloat16", metadata={formats.FINGERPRINT: "benchmark"},
                               progress=progress)
     seconds = time.perf_counter() - start
-    progress.close()
+    progress.finish()
     generator.shutdown()
     return seconds
 

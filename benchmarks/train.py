@@ -182,29 +182,11 @@ def dims_from(args: argparse.Namespace) -> Dims:
                 draft_vocab=args.draft_vocab, layers=args.layers, ttt=args.ttt)
 
 
-def pick_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
-def rank_device(requested: str, local_rank: int) -> str:
-    """This rank's device under torchrun: ``cuda:<local rank>`` or ``cpu``."""
-    device = pick_device(requested)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"--gpus takes --device auto, cuda or cpu (each rank uses "
-                         f"cuda:<local rank>), got --device {requested}")
-    return f"cuda:{local_rank}" if device == "cuda" else device
-
-
 def rank_tokens(args: argparse.Namespace, world: launch.World) -> int:
-    """One rank's token budget per step."""
+    """One rank's token budget per step: all of it, or with --split-budget its share."""
     if not args.split_budget:
         return args.tokens_per_step
-    if args.tokens_per_step % world.world_size:
-        raise ValueError(f"--split-budget: --tokens-per-step {args.tokens_per_step} does not "
-                         f"divide among {world.world_size} processes")
-    return args.tokens_per_step // world.world_size
+    return launch.rank_tokens(args.tokens_per_step, world, "--split-budget --tokens-per-step")
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -536,14 +518,14 @@ def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: 
     return results
 
 
-def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_size: int) -> None:
+def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world: launch.World) -> None:
     """Verifier, vocabulary mapping, shards and split index, written under ``workdir``."""
     generator = torch.Generator().manual_seed(args.seed)
     write_verifier(workdir / "verifier", dims, generator)
     d2t, t2d = vocab_mapping(dims, generator)
     formats.write_vocab_mapping(workdir / "vocab.safetensors", d2t, t2d)
-    per_rank = args.tokens_per_step // world_size if args.split_budget else args.tokens_per_step
-    tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world_size
+    per_rank = rank_tokens(args, world)
+    tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world.world_size
     mean = args.sample_len or max(2, per_rank // 8)
     start = time.perf_counter()
     shards, _ = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
@@ -588,7 +570,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     """
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    if pick_device(args.device) != "cpu" and args.gpus > torch.cuda.device_count():
+    if launch.rank_device(args.device, setting="--device") != "cpu" and args.gpus > torch.cuda.device_count():
         raise ValueError(f"--gpus {args.gpus} but {torch.cuda.device_count()} CUDA GPU(s) here")
     workdir = args.workdir
     if workdir is None:
@@ -633,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(launch_ranks(args, argv))
     world = this_world(args)
     ddp = args.gpus is not None
-    device = rank_device(args.device, world.local_rank) if ddp else pick_device(args.device)
+    device = launch.rank_device(args.device, world, "--device")
     if ddp:
         launch.init_process_group(device, args.collective_timeout_s)
     try:
@@ -658,7 +640,7 @@ def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: st
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="draftline-bench-"))
     try:
         if world.is_main:
-            prepare_inputs(args, dims, workdir, world.world_size)
+            prepare_inputs(args, dims, workdir, world)
         barrier(world)  # the other ranks read what rank 0 wrote
         inputs = load_inputs(workdir)
         if not ddp:

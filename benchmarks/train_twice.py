@@ -61,13 +61,14 @@ def one(exp: str, overrides: list[str], out: Path) -> dict:
 
 
 def _train(loop, cfg, prepare_dir: Path, prepared: dict, extract: dict, out: Path) -> dict:
-    from stages.train import auto_or, pick_device, vocab_path
+    from draftline.pipeline import launch
+    from stages.train import auto_or, vocab_path
 
     return loop.train(
         prepared["shards"], prepare_dir / prepared["index"], vocab_path(cfg), str(cfg.model.path),
         out, list(extract["aux_layer_ids"]), steps=int(cfg.train.steps), lr=float(cfg.train.lr),
         ttt_steps=int(cfg.train.ttt_steps), max_tokens_per_step=int(cfg.train.max_tokens_per_step),
-        seed=int(cfg.train.seed), device=pick_device(str(cfg.train.device)),
+        seed=int(cfg.train.seed), device=launch.rank_device(str(cfg.train.device)),
         num_layers=int(cfg.train.num_layers), checkpoint_every=int(cfg.train.checkpoint_every),
         precision=str(cfg.train.precision), compile=auto_or(cfg.train.compile, bool),
         loader_threads=auto_or(cfg.train.loader_threads, int),

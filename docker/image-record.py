@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 ARCH_LISTS = ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST")
+# draftline.patchq.RECORD_NAME, spelled here because this script runs without draftline
+# (tests/test_docker.py holds the two equal).
+RECORD_NAME = "DRAFTLINE_PATCHES.json"
 
 
 def installed_versions() -> dict[str, str]:
@@ -39,7 +42,7 @@ def patch_record(package: str = "speculators") -> dict:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         sys.exit(f"error: {package} is not installed")
-    path = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    path = Path(spec.origin).parent / RECORD_NAME
     if not path.exists():
         sys.exit(f"error: {package} is unpatched ({path} missing): run make setup")
     return json.loads(path.read_text())

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -189,26 +188,3 @@ def stop_token_ids(target_dir: str | Path) -> list[int]:
         raise ValueError(f"{target_dir}: no eos_token_id in generation_config.json or config.json; "
                          "regeneration would not know where a reply ends")
     return ids
-
-
-class ChunkProgress:
-    """Samples done, generated tokens/s and ETA over the chunks this run generates."""
-
-    def __init__(self, total_samples: int, done_samples: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_samples, initial=done_samples, unit="sample",
-                        desc="regenerate", smoothing=0.1, mininterval=2.0)
-        self.start = time.monotonic()
-        self.tokens = 0
-
-    def update(self, samples: int, tokens: int) -> None:
-        self.tokens += tokens
-        self.bar.set_postfix(gen_tok_s=f"{self.tokens_per_second():.0f}", refresh=False)
-        self.bar.update(samples)
-
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(time.monotonic() - self.start, 1e-9)
-
-    def close(self) -> None:
-        self.bar.close()

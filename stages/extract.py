@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from draftline import formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config, launch
+from draftline.pipeline.progress import TOKENS, Progress
 from draftline.pipeline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
@@ -191,19 +192,17 @@ def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
     if not pending:
         return pending, 0.0
     total = sum(p.num_tokens for p in plans)
-    progress = shards.Progress(total, total - remaining)
-    try:
-        if int(cfg.extract.replicas) > 1:
-            extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
-        else:
-            extract_here(cfg, inputs, plans, progress)
-    finally:
-        progress.close()
+    progress = Progress("extract", total, total - remaining, unit=TOKENS, logger=log)
+    if int(cfg.extract.replicas) > 1:
+        extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
+    else:
+        extract_here(cfg, inputs, plans, progress)
+    progress.finish()
     return pending, progress.tokens_per_second()
 
 
 def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
-                 progress: shards.Progress) -> None:
+                 progress: Progress) -> None:
     """One engine in this process over ``plans`` (complete shards are skipped)."""
     platform_environment(cfg)
     generator = make_generator(cfg)
@@ -217,7 +216,7 @@ def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
 
 def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
                         pending: list[shards.ShardPlan], overrides: list[str],
-                        progress: shards.Progress) -> None:
+                        progress: Progress) -> None:
     """``extract.replicas`` children of this stage, replica r on plans[r::N]; only those with
     pending shards start. Progress counts the shards that appear complete on disk."""
     replicas = int(cfg.extract.replicas)
@@ -233,7 +232,7 @@ def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[shards.Shar
     def poll() -> None:
         for index, plan in list(waiting.items()):
             if shards.shard_is_complete(inputs.out_dir / plan.name, plan, inputs.fingerprint):
-                progress.update(plan.num_tokens)
+                progress.advance(plan.num_tokens)
                 del waiting[index]
 
     launch.supervise([sys.executable, "-m", "stages.extract", *overrides], children, poll)
@@ -310,11 +309,7 @@ def run_replica(cfg: DictConfig, replica: shards.Part) -> None:
     pending = shards.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint)
     log.info("replica %s: %d shards, %d to extract", replica, len(mine), len(pending))
     if pending:
-        progress = shards.Progress(0, 0, quiet=True)
-        try:
-            extract_here(cfg, inputs, mine, progress)
-        finally:
-            progress.close()
+        extract_here(cfg, inputs, mine, Progress("extract", 0, unit=TOKENS, quiet=True))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

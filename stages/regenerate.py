@@ -22,6 +22,7 @@ from draftline import regenerate, target
 from draftline.pipeline import artifacts, config
 from draftline.tokenize import vocab
 from draftline.formats import read_samples, write_samples
+from draftline.pipeline.progress import Progress
 from draftline.pipeline.stage import run_stage
 
 log = logging.getLogger("draftline.regenerate")
@@ -92,8 +93,8 @@ def run(cfg: DictConfig) -> dict:
     tokens_per_second = 0.0
     if pending:
         engine = make_engine(cfg, stop_ids)
-        progress = regenerate.ChunkProgress(len(samples), len(samples) - sum(
-            bounds[i][1] - bounds[i][0] for i in pending))
+        progress = Progress("regenerate", len(samples), len(samples) - sum(
+            bounds[i][1] - bounds[i][0] for i in pending), unit="samples", logger=log)
         try:
             for i in pending:
                 a, b = bounds[i]
@@ -103,10 +104,10 @@ def run(cfg: DictConfig) -> dict:
                 artifacts.write_json(paths[i].with_suffix(".json"), chunk.__dict__)
                 write_samples(paths[i], ids, new_masks)
                 stats.add(chunk)
-                progress.update(b - a, chunk.generated_tokens)
+                progress.advance(b - a, tokens=chunk.generated_tokens)
         finally:
-            progress.close()
             engine.shutdown()
+        progress.finish()
         tokens_per_second = progress.tokens_per_second()
     resumed = regenerate.ChunkStats()
     for i in set(range(len(bounds))) - set(pending):

@@ -32,19 +32,6 @@ from draftline.pipeline.stage import run_stage
 log = logging.getLogger("draftline.train")
 
 
-def pick_device(requested: str, local_rank: int = 0) -> str:
-    """``cuda:<local rank>`` (or cpu) for this process."""
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if not (requested == "cpu" or torch.cuda.is_available()):
-        raise ValueError(f"train.device={requested} but no CUDA GPU")
-    if requested == "cuda":
-        return f"cuda:{local_rank}"
-    return requested
-
-
 def auto_or(value, kind: type):
     """``auto`` (or null) -> None, which lets training size it; else the value as ``kind``."""
     return None if value is None or str(value) == "auto" else kind(value)
@@ -81,7 +68,7 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     prepared = artifacts.read_manifest(prepare_dir)
     extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
     out_dir = config.stage_dir(cfg, "train") / run_key(cfg, prepare_dir)
-    device = pick_device(str(cfg.train.device), world.local_rank)
+    device = launch.rank_device(str(cfg.train.device), world)
     if world.distributed:
         launch.init_process_group(device, float(cfg.train.collective_timeout_s))
     try:

@@ -254,6 +254,12 @@ def image_record():
     return module
 
 
+def test_image_record_reads_the_record_patchq_writes():
+    from draftline import patchq
+
+    assert image_record().RECORD_NAME == patchq.RECORD_NAME
+
+
 def test_image_record_refuses_pins_and_patches_that_disagree():
     record = {"patches": [{"name": "0001-a.diff", "sha256": "ab"}]}
     check = image_record().check

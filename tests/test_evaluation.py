@@ -652,6 +652,18 @@ def test_vllm_parses_and_loads_every_saved_tensor(pair):
     assert "model.layers.0.self_attn.qkv_proj.weight" in report["parameters"]
 
 
+def test_what_vllm_reads_must_be_what_the_draft_was_built_with():
+    seen = {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+            "draft_vocab_size": 64}
+    assert in_vllm.check_reading(seen, (1, 2, 3), 64, "d") == seen
+    for field, other in (("architectures", ["LlamaForCausalLM"]),
+                         ("eagle_aux_hidden_state_layer_ids", [3, 2, 1]), ("draft_vocab_size", 65)):
+        with pytest.raises(ValueError) as caught:
+            in_vllm.check_reading({**seen, field: other}, [1, 2, 3], 64, "runs/x/draft")
+        assert str(caught.value) == (f"vLLM reads runs/x/draft as {({**seen, field: other})}, "
+                                     f"expected {seen}")
+
+
 def test_the_name_mapping_rejects_unknown_and_missing_tensors():
     params = {"model.fc.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2)}
     ok = in_vllm.compare_loaded(params, {"fc.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2),

@@ -135,6 +135,30 @@ def test_torchrun_command_turns_nvlink_multicast_off_and_names_the_rendezvous():
     assert launch.NO_MULTICAST["NCCL_NVLS_ENABLE"] == "0"
 
 
+def test_each_rank_takes_its_own_gpu_and_its_share_of_the_token_budget(monkeypatch):
+    """The one device and budget rule of the train stage, its loop and the train benchmark."""
+    import torch
+
+    second = launch.World(rank=1, world_size=2, local_rank=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert launch.rank_device("auto") == launch.rank_device("cuda") == "cuda:0"
+    assert launch.rank_device("auto", second) == "cuda:1"
+    assert launch.rank_device("cuda:3") == "cuda:3" and launch.rank_device("cpu", second) == "cpu"
+    with pytest.raises(ValueError, match=r"^--device=cuda:0 with 2 ranks: each rank uses "
+                                         r"cuda:<local rank>, so give auto, cuda or cpu$"):
+        launch.rank_device("cuda:0", second, "--device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.rank_device("auto", second) == "cpu"
+    with pytest.raises(ValueError, match=r"^train.device=cuda but no CUDA GPU$"):
+        launch.rank_device("cuda")
+
+    assert launch.rank_tokens(512, launch.World()) == 512
+    assert launch.rank_tokens(512, second) == 256
+    with pytest.raises(ValueError, match=r"^max_tokens_per_step=513 must divide evenly among 2 "
+                                         r"processes$"):
+        launch.rank_tokens(513, second)
+
+
 def test_killed_rank_ends_the_run_with_its_traceback_and_resumes_on_one_process(prepared):
     """torchrun (gloo, 2 processes): SIGINT to rank 1 mid-run -> its KeyboardInterrupt
     traceback, non-zero exit, no manifest; then one process resumes the checkpoint rank 0

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from draftline import patchq
 from draftline.pipeline import artifacts, config, deps, status
 from draftline.tiny import embedded, targets
 
@@ -347,7 +348,7 @@ def _package(root: Path, name: str, patches: list[dict] | None, init: str = "") 
     (pkg / "__init__.py").write_text(init)
     (pkg / "sub.py").write_text("")
     if patches is not None:
-        (pkg / "DRAFTLINE_PATCHES.json").write_text(json.dumps({"format": 1, "patches": patches}))
+        (pkg / patchq.RECORD_NAME).write_text(json.dumps({"format": 1, "patches": patches}))
     return pkg
 
 
@@ -496,7 +497,7 @@ def test_stat_key_and_environment_files(tmp_path):
     site, *records = status._environment_files()
     assert site.is_dir() and (site / "speculators").is_dir()
     # The records the cache watches are the ones deps.applied_queue reads.
-    assert records == [Path(importlib.util.find_spec(p).origin).parent / "DRAFTLINE_PATCHES.json"
+    assert records == [Path(importlib.util.find_spec(p).origin).parent / patchq.RECORD_NAME
                        for p in ("speculators", "vllm")]
     assert all(record.is_file() for record in records)
     assert status._cache_path("tiny") == Path("runs/tiny/.stamp-cache.json")

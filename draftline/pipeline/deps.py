@@ -32,6 +32,9 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+# patchq is standard library only and imports no other draftline module, so deps stays both.
+from draftline.patchq import RECORD_NAME
+
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("draftline", "stages")
 PATCHED = ("speculators", "vllm")  # packages with a patch queue (patches/, patches/vllm/)
@@ -121,7 +124,7 @@ def applied_queue(package: str) -> list[str] | None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         return None
-    record = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    record = Path(spec.origin).parent / RECORD_NAME
     if not record.exists():
         return None
     return [f"{p['name']}@{p['sha256']}" for p in json.loads(record.read_text())["patches"]]

@@ -64,6 +64,34 @@ def world() -> World:
                  int(env.get("LOCAL_RANK", 0)))
 
 
+def rank_device(requested: str, current: World = World(), setting: str = "train.device") -> str:
+    """This process's device for ``requested`` (``setting`` names it in errors).
+
+    ``auto`` is CUDA when a GPU is visible, else the CPU; ``cuda`` is this rank's own GPU,
+    ``cuda:<local rank>``.  With several ranks only ``auto``, ``cuda`` or ``cpu`` are taken:
+    a named GPU (``cuda:1``) would put every rank on the same one.
+    """
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"{setting}={requested} but no CUDA GPU")
+    if current.distributed and requested not in ("cuda", "cpu"):
+        raise ValueError(f"{setting}={requested} with {current.world_size} ranks: each rank "
+                         "uses cuda:<local rank>, so give auto, cuda or cpu")
+    return f"cuda:{current.local_rank}" if requested == "cuda" else requested
+
+
+def rank_tokens(tokens_per_step: int, current: World, setting: str = "max_tokens_per_step") -> int:
+    """Each rank's share of a step's global token budget (``setting`` names it in errors):
+    ranks pack equal shares, so the budget must divide evenly."""
+    if tokens_per_step % current.world_size:
+        raise ValueError(f"{setting}={tokens_per_step} must divide evenly "
+                         f"among {current.world_size} processes")
+    return tokens_per_step // current.world_size
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 

@@ -42,8 +42,10 @@ def _environment_files() -> list[Path]:
     """Stats that move when packages are installed or removed, or a patch queue re-applied."""
     import sysconfig
 
+    from draftline.patchq import RECORD_NAME
+
     site = Path(sysconfig.get_paths()["purelib"])
-    return [site] + [site / pkg / "DRAFTLINE_PATCHES.json" for pkg in ("speculators", "vllm")]
+    return [site] + [site / pkg / RECORD_NAME for pkg in ("speculators", "vllm")]
 
 
 def _cache_key(argv: list[str], inputs: list[str]) -> str:

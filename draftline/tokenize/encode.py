@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from draftline import target
+from draftline.pipeline.progress import Progress
 from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
 from draftline.tokenize.conversations import DataError, RecordSkip, normalize
 from draftline.tokenize.sources import Source, select_records
@@ -38,7 +38,6 @@ log = logging.getLogger("draftline.tokenize")
 EXAMPLES_PER_REASON = 3  # locations kept per skip reason in the manifest
 BATCH = 32  # conversations per worker task: large enough to amortise pickling, small for balance
 TASKS_PER_WORKER = 4  # tasks in flight per worker: bounds memory while keeping workers busy
-PROGRESS_SECONDS = 30.0  # log progress at most this often
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
@@ -275,7 +274,11 @@ def tokenize_source(
             yield batch
 
     results: dict[int, list] = {}
-    progress = _Progress(source, max_samples)
+    def selected() -> int:  # counted only for runs long enough to report on
+        count = source.count()
+        return count if max_samples is None else min(count, max_samples)
+
+    progress = Progress("tokenize", selected, unit="records", logger=log)
     for done in _ordered_map(_encode_batch, batches(), workers, _init_worker,
                              (model_dir, trust_remote_code, seq_length)):
         for rank, where, outcome in done:
@@ -292,7 +295,7 @@ def tokenize_source(
             tally.num_truncated += sum(truncated for _, _, truncated in samples)
             tally.assistant_tokens += total
             tally.kept_tokens += kept
-        progress.update(tally)
+        progress.advance_to(tally.num_records, detail=f"{tally.num_skipped} skipped")
     if not budget.allows(tally.num_skipped, tally.num_records):
         raise over_budget()
     if not results:
@@ -309,24 +312,3 @@ def _flatten(results: dict[int, list], tally: Tally) -> TokenizedSet:
     mask = np.concatenate([mask for _, mask, _ in samples])
     return TokenizedSet(ids, mask, offsets, tally)
 
-
-class _Progress:
-    """Logs records/s and an ETA every PROGRESS_SECONDS."""
-
-    def __init__(self, source: Source, max_samples: int | None):
-        self.start = self.last = time.monotonic()
-        self.total: int | None = None
-        self.source, self.max_samples = source, max_samples
-
-    def update(self, tally: Tally) -> None:
-        now = time.monotonic()
-        if now - self.last < PROGRESS_SECONDS:
-            return
-        if self.total is None:  # counted once, only for runs long enough to report on
-            count = self.source.count()
-            self.total = count if self.max_samples is None else min(count, self.max_samples)
-        self.last = now
-        rate = tally.num_records / (now - self.start)
-        eta = (self.total - tally.num_records) / rate if rate else float("inf")
-        log.info("%d / %d records (%.0f/s, ETA %.0f s), %d skipped",
-                 tally.num_records, self.total, rate, eta, tally.num_skipped)

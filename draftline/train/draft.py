@@ -44,7 +44,6 @@ __all__ = [
     "build_draft",
     "register_dense_attention",
     "set_attention",
-    "check_draft_with_vllm",
     "PRECISIONS",
     "Precision",
     "resolve_precision",
@@ -275,34 +274,6 @@ def set_attention(model: _SpeculatorsEagle3DraftModel, kind: str) -> None:
         register_dense_attention()
     # The decoder layers read this shared config object on every call.
     model.config.transformer_layer_config._attn_implementation = names[kind]
-
-
-def check_draft_with_vllm(draft_dir: str | Path, aux_layer_ids: Sequence[int],
-                          draft_vocab_size: int) -> dict:
-    """Parse ``draft_dir`` with vLLM's own config loader and check what it will serve.
-
-    vLLM 0.16 reads a speculators Eagle3 save through ``SpeculatorsConfig``: it starts from
-    ``transformer_layer_config``, sets ``architectures = ["Eagle3LlamaForCausalLM"]`` and
-    copies the top-level ``draft_vocab_size``, ``norm_before_residual``,
-    ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids``.
-    """
-    from vllm.transformers_utils.config import get_config  # heavy import, only here
-
-    config = get_config(str(draft_dir), trust_remote_code=False)
-    seen = {
-        "architectures": list(config.architectures or []),
-        "eagle_aux_hidden_state_layer_ids": list(
-            getattr(config, "eagle_aux_hidden_state_layer_ids", None) or []),
-        "draft_vocab_size": getattr(config, "draft_vocab_size", None),
-    }
-    expected = {
-        "architectures": ["Eagle3LlamaForCausalLM"],
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
-        "draft_vocab_size": int(draft_vocab_size),
-    }
-    if seen != expected:
-        raise ValueError(f"vLLM reads {draft_dir} as {seen}, expected {expected}")
-    return seen
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import importlib.util
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -56,7 +54,8 @@ from transformers import get_linear_schedule_with_warmup
 
 from draftline.formats import TRAIN, VALIDATION, load_split, load_vocab_mapping
 from draftline.pipeline.artifacts import atomic_dir
-from draftline.pipeline.launch import World
+from draftline.pipeline.launch import World, rank_tokens
+from draftline.pipeline.progress import Progress
 from draftline.train.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
 from draftline.train.loader import (
     HIDDEN_KEYS,
@@ -72,7 +71,6 @@ from draftline.train.draft import (
     Precision,
     apply_precision,
     build_draft,
-    check_draft_with_vllm,
     resolve_precision,
     set_attention,
 )
@@ -97,14 +95,6 @@ def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
              world: World) -> MultipackDistributedBatchSamplerV2:
     """speculators' packing sampler; rank r of N gets its part of each global pack."""
     return make_sampler(lengths, rank_tokens, seed, world.rank, world.world_size)
-
-
-def _rank_tokens(max_tokens_per_step: int, world: World) -> int:
-    """Each rank's share of the global token budget of a step."""
-    if max_tokens_per_step % world.world_size:
-        raise ValueError(f"max_tokens_per_step={max_tokens_per_step} must divide evenly "
-                         f"among {world.world_size} processes")
-    return max_tokens_per_step // world.world_size
 
 
 def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
@@ -182,31 +172,12 @@ def _model_inputs(batch: dict, device: str, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if k in HIDDEN_KEYS else v for k, v in moved.items()}
 
 
-class _Meter:
-    """Steps/s, tokens/s and ETA over the steps this process ran (resumed ones excluded)."""
-
-    def __init__(self, first_step: int, total_steps: int):
-        self.first, self.total = first_step, total_steps
-        self.start = time.monotonic()
-        self.tokens = 0
-
-    def rates(self, step: int, tokens: int) -> dict:
-        self.tokens += tokens
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        per_second = (step - self.first) / elapsed
-        return {"steps_per_second": per_second, "tokens_per_second": self.tokens / elapsed,
-                "eta_seconds": (self.total - step) / max(per_second, 1e-9)}
-
-
-def _log_step(step: int, total: int, metrics: dict, lr: float, rates: dict,
-              ttt_steps: int) -> None:
+def _step_detail(metrics: dict, lr: float, ttt_steps: int) -> str:
+    """A step's loss, per-TTT-step loss and accuracies, and learning rate, for its log line."""
     per_ttt = " | ".join(
         f"ttt{k} loss {metrics[f'loss_{k}']:.4f} acc {metrics[f'full_acc_{k}']:.3f} "
         f"cond {metrics[f'cond_acc_{k}']:.3f}" for k in range(ttt_steps))
-    eta = datetime.timedelta(seconds=round(rates["eta_seconds"]))
-    log.info("step %d/%d loss %.4f | %s | lr %.2e | %.2f step/s %.0f tok/s | ETA %s",
-             step, total, metrics["loss"], per_ttt, lr, rates["steps_per_second"],
-             rates["tokens_per_second"], eta)
+    return f"loss {metrics['loss']:.4f} | {per_ttt} | lr {lr:.2e}"
 
 
 @dataclasses.dataclass
@@ -320,26 +291,26 @@ class _LoaderSettings:
 
 def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path,
           spec: dict, start: int, stop: int, checkpoint_every: int,
-          keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], dict]:
-    """Run the planned steps; return per-step metrics and the final rates."""
+          keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], Progress]:
+    """Run the planned steps; return per-step metrics and their progress (the rates)."""
     total = spec["total_steps"]
-    max_tokens = _rank_tokens(spec["max_tokens_per_step"], session.world)
+    max_tokens = rank_tokens(spec["max_tokens_per_step"], session.world)
     loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
-    meter, rates, history = _Meter(start, total), {}, []
+    # A line per step: each carries that step's loss.
+    progress, history = Progress("train", total, start, unit="steps", interval=0.0, logger=log), []
     log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
     for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
         lr = session.optimizer.param_groups[0]["lr"]
         history.append(session.step(batch))
         # Logged rate: this rank's tokens times the ranks (ranks pack about equal shares).
         tokens = int(batch["lengths"].sum()) * session.world.world_size
-        rates = meter.rates(step, tokens)
-        _log_step(step, total, history[-1], lr, rates, session.ttt_steps)
+        progress.advance_to(step, tokens, _step_detail(history[-1], lr, session.ttt_steps))
         if session.world.is_main and (step % checkpoint_every == 0 or step == stop):
             state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1],
                      "world_size": session.world.world_size}
             save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
                             session.scheduler, state, keep_checkpoints)
-    return history, rates
+    return history, progress
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -371,7 +342,9 @@ def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence
         return None, [{"what": what, "reason": "vLLM is not installed here"}]
     if check_vllm is False:
         return None, [{"what": what, "reason": "turned off by the caller (check_vllm=False)"}]
-    return check_draft_with_vllm(draft_dir, aux_layer_ids, draft_vocab_size), []
+    from draftline.evaluate.in_vllm import check_vllm_parse  # evaluate's check, the parse alone
+
+    return check_vllm_parse(draft_dir, aux_layer_ids, draft_vocab_size), []
 
 
 def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
@@ -383,14 +356,14 @@ def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path
     return path
 
 
-def _summary(history: list[dict], rates: dict, start: int, stop: int, total: int,
+def _summary(history: list[dict], progress: Progress, start: int, stop: int, total: int,
              last: dict) -> dict:
     return {
         "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
         "final": history[-1] if history else last,
         "loss_history": [m["loss"] for m in history],
-        "tokens_per_second": rates.get("tokens_per_second"),
-        "seconds_per_step": 1 / rates["steps_per_second"] if rates else None,
+        "tokens_per_second": progress.tokens_per_second() if history else None,
+        "seconds_per_step": 1 / progress.rate() if history else None,
         "validation": {}, "draft_dir": None, "vllm": None, "skipped": [],
     }
 
@@ -427,8 +400,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     d2t, t2d = load_vocab_mapping(vocab_mapping)
     model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
     train_set = ShardSampleDataset(shards, load_split(split_index, TRAIN))
-    rank_tokens = _rank_tokens(max_tokens_per_step, world)
-    sampler = _sampler(train_set.lengths, rank_tokens, seed, world)
+    tokens_per_rank = rank_tokens(max_tokens_per_step, world)
+    sampler = _sampler(train_set.lengths, tokens_per_rank, seed, world)
     total = _total_steps(sampler, steps, epochs)
     warmup = total // 100 if warmup_steps is None else warmup_steps
     spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids, out,
@@ -443,13 +416,13 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
                                     device)
     loading = _LoaderSettings(loader_threads, prefetch_batches)
     stop = total if stop_after is None else max(start, min(total, stop_after))
-    history, rates = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
-                           start, stop, checkpoint_every, keep_checkpoints, loading)
-    result = {**_summary(history, rates, start, stop, total, last), "precision": numerics.name,
+    history, progress = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
+                              start, stop, checkpoint_every, keep_checkpoints, loading)
+    result = {**_summary(history, progress, start, stop, total, last), "precision": numerics.name,
               "world_size": world.world_size}
     if stop < total:
         return result
-    result["validation"] = _validate(session, shards, split_index, rank_tokens, seed, loading)
+    result["validation"] = _validate(session, shards, split_index, tokens_per_rank, seed, loading)
     if not world.is_main:
         return result
     result["draft_dir"] = str(_save_draft(model, out, save_dtype))
