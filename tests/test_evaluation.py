@@ -69,6 +69,26 @@ def test_walk_moves_on_by_accepted_plus_one():
     assert starts[offline.walk(mask, starts, accepted)].tolist() == [0, 3, 5, 6, 7, 8, 9]
 
 
+def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
+    """A held-out reply is scored over its own window [a, b), whatever else the sample masks
+    (another turn's reply): vLLM decodes that one reply, so the walk must take its steps only."""
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    widened = [(dataclasses.replace(s, loss_mask=torch.ones_like(s.loss_mask)), a, b) for s, a, b in replies]
+    result = in_vllm.vllm_vs_offline(widened, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    assert result["agrees"] and result["diverging_replies"] == 0
+    assert result["shared_steps"] == sum(len(s) for s in steps)
+
+
+def test_empty_walks_and_proposals_stay_integer_tensors():
+    nothing = offline.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    assert nothing.tolist() == [] and nothing.dtype == torch.long
+    assert stats.Counts.from_lengths([], 3).at_least.dtype == torch.long
+    bigram = offline.baseline_drafts(torch.tensor([0, 3, 1]), torch.ones(3, 3, dtype=torch.long))[1]
+    none = bigram.propose(sample([0, 1, 2], [1, 1, 1], [1, 2, 0]), torch.tensor([0, 1]), 0)
+    assert none.shape == (2, 0) and none.dtype == torch.long
+
+
 def test_truth_is_the_greedy_token_of_each_proposed_position():
     # target_next[t] is the target's token for position t + 1; from start t the chain proposes
     # positions t+2 .. t+k+1, so its truth is target_next[t+1 .. t+k].
@@ -186,6 +206,19 @@ def test_a_paired_difference_with_a_known_gap_excludes_zero():
         stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
 
 
+def test_paired_ci_bounds_equal_a_plain_python_reference():
+    good = random_lengths(25, 3, seed=6, skill=0.6)
+    a = stats.Counts.from_lengths(good, 3)
+    b = stats.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    result = stats.paired_difference(a, b, "tau", 300, 0.9, 1)
+    picks = torch.randint(0, 25, (300, 25), generator=torch.Generator().manual_seed(1))
+    diffs = [float(stats._statistic(a.at_least[p].sum(0).double(), "tau")
+                   - stats._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
+    assert result["ci"] == pytest.approx([quantile(diffs, 0.05), quantile(diffs, 0.95)], abs=1e-12)
+    with pytest.raises(ValueError, match="^paired counts need the same units$"):
+        stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
+
+
 def test_counts_and_summary_of_known_lengths():
     counts = stats.Counts.from_lengths([torch.tensor([3, 3]), torch.tensor([0])], 3)
     assert counts.at_least.tolist() == [[2, 2, 2, 2], [1, 0, 0, 0]]
@@ -194,6 +227,19 @@ def test_counts_and_summary_of_known_lengths():
     assert summary["acceptance"] == pytest.approx([2 / 3, 1.0, 1.0])
     assert summary["accepted_histogram"] == [1, 0, 0, 2]
     assert stats.Counts.from_lengths([], 2).at_least.shape == (0, 3)
+
+
+def test_per_position_rates_of_a_single_verification_step():
+    """One verification step: each per-position rate is 0 or 1, that step's verdict (the
+    step count is floored only against zero steps)."""
+    k = 3
+    s = sample([7, 1, 2, 3, 4], [0, 1, 1, 1, 1], [1, 2, 3, 4, 5])
+    replies = offline.held_out_replies([s])
+    steps = offline_steps(replies, k)
+    assert len(steps) == 1 and len(steps[0]) == 1 and steps[0][0] > 0, steps
+    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    expected = [float(steps[0][0] >= j) for j in range(1, k + 1)]
+    assert result["vllm_unconditional"] == expected and result["offline_unconditional"] == expected
 
 
 class Flaky:
@@ -432,6 +478,21 @@ def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
     s = sample([0, 5, 0], [1, 1, 1], [0, 0, 0])
     assert bigrams.propose(s, torch.tensor([0]), 0).shape == (1, 0)
     assert bigrams.propose(s, torch.tensor([0]), 2).tolist() == [[6, 2]]
+
+
+def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
+    """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
+    its own rows."""
+    def shard(path, ids, mask):
+        save_file({formats.INPUT_IDS: torch.tensor(ids),
+                   formats.LOSS_MASK: torch.tensor(mask, dtype=torch.uint8),
+                   formats.SAMPLE_OFFSETS: torch.tensor([0, len(ids)])}, str(path))
+        return path
+
+    first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])
+    second = shard(tmp_path / "b.safetensors", [2, 3], [1, 1])
+    unigram, _ = offline.count_tokens([first, second], torch.tensor([[1, 0, 2]]), 4)
+    assert unigram.tolist() == [0, 0, 1, 1]
 
 
 def test_baselines_from_training_counts(tmp_path):
@@ -740,6 +801,18 @@ def test_the_load_check_rejects_a_tampered_tensor(tamper):
         in_vllm.compare_loaded(params, saved)
 
 
+def test_the_load_check_compares_in_the_saved_dtype_and_names_what_it_placed():
+    params, saved = loaded_pair()
+    saved = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in saved.items()}
+    params = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in params.items()}
+    saved["scale"], params["model.scale"] = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.5)
+    report = in_vllm.compare_loaded(params, saved)  # vLLM holds float32 copies of bf16 saves
+    assert report["placed"] == sorted(n for n in saved if n != "t2d")
+    params["model.scale"] = torch.tensor(0.25)
+    with pytest.raises(ValueError, match="scale: vLLM holds other values"):
+        in_vllm.compare_loaded(params, saved)
+
+
 # --------------------------------------------------------------------------- the gate
 
 
@@ -852,79 +925,3 @@ def test_gate_passes_the_smoke_run_and_catches_a_shuffled_d2t(smoke_run, tmp_pat
     tau = json.loads((run / "evaluate/results.json").read_text())["offline"]["eagle3"]["tau"]
     print(f"shuffled d2t: tau {tau:.3f}")
     assert tau < json.loads(GATE.read_text())["tiny-trained"]["tau_min"]
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
-    """A held-out reply is scored over its own window [a, b), whatever else the sample masks
-    (another turn's reply): vLLM decodes that one reply, so the walk must take its steps only."""
-    replies, k = flaky_replies(), 3
-    steps = offline_steps(replies, k)
-    widened = [(dataclasses.replace(s, loss_mask=torch.ones_like(s.loss_mask)), a, b) for s, a, b in replies]
-    result = in_vllm.vllm_vs_offline(widened, as_vllm_measures(replies, steps), Flaky(), k, STATS)
-    assert result["agrees"] and result["diverging_replies"] == 0
-    assert result["shared_steps"] == sum(len(s) for s in steps)
-
-
-def test_per_position_rates_of_a_single_verification_step():
-    """One verification step: each per-position rate is 0 or 1, that step's verdict (the
-    step count is floored only against zero steps)."""
-    k = 3
-    s = sample([7, 1, 2, 3, 4], [0, 1, 1, 1, 1], [1, 2, 3, 4, 5])
-    replies = offline.held_out_replies([s])
-    steps = offline_steps(replies, k)
-    assert len(steps) == 1 and len(steps[0]) == 1 and steps[0][0] > 0, steps
-    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
-    expected = [float(steps[0][0] >= j) for j in range(1, k + 1)]
-    assert result["vllm_unconditional"] == expected and result["offline_unconditional"] == expected
-
-
-def test_paired_ci_bounds_equal_a_plain_python_reference():
-    good = random_lengths(25, 3, seed=6, skill=0.6)
-    a = stats.Counts.from_lengths(good, 3)
-    b = stats.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
-    result = stats.paired_difference(a, b, "tau", 300, 0.9, 1)
-    picks = torch.randint(0, 25, (300, 25), generator=torch.Generator().manual_seed(1))
-    diffs = [float(stats._statistic(a.at_least[p].sum(0).double(), "tau")
-                   - stats._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
-    assert result["ci"] == pytest.approx([quantile(diffs, 0.05), quantile(diffs, 0.95)], abs=1e-12)
-    with pytest.raises(ValueError, match="^paired counts need the same units$"):
-        stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
-
-
-def test_empty_walks_and_proposals_stay_integer_tensors():
-    nothing = offline.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
-    assert nothing.tolist() == [] and nothing.dtype == torch.long
-    assert stats.Counts.from_lengths([], 3).at_least.dtype == torch.long
-    bigram = offline.baseline_drafts(torch.tensor([0, 3, 1]), torch.ones(3, 3, dtype=torch.long))[1]
-    none = bigram.propose(sample([0, 1, 2], [1, 1, 1], [1, 2, 0]), torch.tensor([0, 1]), 0)
-    assert none.shape == (2, 0) and none.dtype == torch.long
-
-
-def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
-    """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
-    its own rows."""
-    def shard(path, ids, mask):
-        save_file({formats.INPUT_IDS: torch.tensor(ids),
-                   formats.LOSS_MASK: torch.tensor(mask, dtype=torch.uint8),
-                   formats.SAMPLE_OFFSETS: torch.tensor([0, len(ids)])}, str(path))
-        return path
-
-    first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])
-    second = shard(tmp_path / "b.safetensors", [2, 3], [1, 1])
-    unigram, _ = offline.count_tokens([first, second], torch.tensor([[1, 0, 2]]), 4)
-    assert unigram.tolist() == [0, 0, 1, 1]
-
-
-def test_the_load_check_compares_in_the_saved_dtype_and_names_what_it_placed():
-    params, saved = loaded_pair()
-    saved = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in saved.items()}
-    params = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in params.items()}
-    saved["scale"], params["model.scale"] = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.5)
-    report = in_vllm.compare_loaded(params, saved)  # vLLM holds float32 copies of bf16 saves
-    assert report["placed"] == sorted(n for n in saved if n != "t2d")
-    params["model.scale"] = torch.tensor(0.25)
-    with pytest.raises(ValueError, match="scale: vLLM holds other values"):
-        in_vllm.compare_loaded(params, saved)

@@ -56,6 +56,10 @@ def test_batches_stay_within_the_token_budget_unless_one_sample_is_larger():
     assert shards.plan_batches((), lengths, token_budget=10) == []
 
 
+def test_a_batch_that_fills_the_budget_exactly_closes_it():
+    assert shards.plan_batches((0, 1, 2, 3), [5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
+
+
 # --------------------------------------------------------------------------- preflight
 
 
@@ -79,6 +83,11 @@ def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):
         61, 7168, "KimiK25ForConditionalGeneration")
     with pytest.raises(FileNotFoundError, match="target model config not found"):
         target.read_target_shape(tmp_path / "missing")
+
+
+def test_a_config_without_architectures_reads_as_unknown(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
+    assert target.read_target_shape(tmp_path).architecture == "unknown"
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 5], [2, 3, 4], [1]])
@@ -123,6 +132,17 @@ def test_bytes_per_token_and_the_disk_check(tmp_path):
         shards.check_disk(tmp_path / "out", 10**15, 2057, 1.1)
 
 
+def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b" / "extract"
+    free = 3 * 2**30
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
+    assert shards.check_disk(out, 3 * 2**20, 2**10, 1.0) == free  # exactly what is free: fits
+    assert out.is_dir()
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"{out}: 3.0 GiB free, extraction needs about 4.5 GiB (3145728 tokens x 1024 B x 1.5)")):
+        shards.check_disk(out, 3 * 2**20, 2**10, 1.5)
+
+
 # --------------------------------------------------------------------------- reuse of shards
 
 
@@ -144,6 +164,14 @@ def test_a_shard_is_reused_only_with_the_same_fingerprint_and_samples(tmp_path):
     assert not shards.shard_is_complete(path, shards.ShardPlan(0, (3, 5), 4), "abc")
 
 
+def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
+    from safetensors.torch import save_file
+
+    plan = shards.ShardPlan(0, (3,), 2)
+    save_file({formats.SAMPLE_IDS: torch.tensor([3])}, str(tmp_path / plan.name))
+    assert not shards.shard_is_complete(tmp_path / plan.name, plan, "abc")
+
+
 def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
     plan = shards.ShardPlan(0, (7, 2), 5)
     results = {7: {"hidden_states": [torch.ones(3, 4), torch.zeros(3, 4)], "input_ids": torch.arange(3)},
@@ -157,6 +185,13 @@ def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
     assert mask.tolist() == [0, 1, 1, 1, 0] and mask.dtype == torch.uint8
     assert tensors[formats.SAMPLE_OFFSETS].tolist() == [0, 3, 5]
     assert tensors[formats.SAMPLE_IDS].tolist() == [7, 2]
+
+
+def test_packed_input_ids_are_int64_whatever_the_engine_returns():
+    plan = shards.ShardPlan(0, (1,), 2)
+    results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
+    packed = formats.pack_shard(plan.sample_ids, results, {1: [0, 1]}, "float32")
+    assert packed[formats.INPUT_IDS].dtype == torch.int64
 
 
 def test_the_file_keys_are_the_ones_runs_on_disk_hold():
@@ -175,6 +210,13 @@ def test_identical_shards_are_byte_identical_files(tmp_path):
     plan = shards.ShardPlan(0, (1, 2), 4)
     write_planned_shard(tmp_path / "a.safetensors", plan, "f")
     write_planned_shard(tmp_path / "b.safetensors", plan, "f")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
+    tensors = {"x": torch.arange(3)}
+    formats.write_shard(tmp_path / "a.safetensors", tensors, {formats.FINGERPRINT: "f", "aux": [1, 2]})
+    formats.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], formats.FINGERPRINT: "f"})
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
@@ -253,6 +295,31 @@ def test_the_target_digest_reads_a_file_again_once_its_size_or_mtime_moves(model
     assert target.target_digest(copy, cache) != base
     with pytest.raises(FileNotFoundError, match="target model directory not found"):
         target.target_digest(tmp_path / "missing", cache)
+
+
+def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp_path):
+    """The digest is sha256 over 'relative name NUL file sha256' per file in name order;
+    the cache answers for a file whose size and mtime it recorded, even across calls (shown
+    by content changed behind its back with size and mtime put back)."""
+    root = tmp_path / "target"
+    (root / "sub").mkdir(parents=True)
+    files = {"config.json": b"{}", "sub/w.bin": b"weights"}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
+    cache = tmp_path / "cache.json"
+    assert target.target_digest(root, cache) == digest.hexdigest()
+    recorded = artifacts.read_json(cache)
+    weights = root / "sub/w.bin"
+    assert recorded[str(weights.resolve())] == [
+        [len(b"weights"), weights.stat().st_mtime_ns], hashlib.sha256(b"weights").hexdigest()]
+    stat = weights.stat()
+    weights.write_bytes(b"WEIGHTS")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert target.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
+    assert target.target_digest(root, cache) == digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- replicas and slices
@@ -339,61 +406,6 @@ def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_mani
     assert fields["shards"][4]["sha256"] == artifacts.sha256_file(out_dir / plans[4].name)
 
 
-def test_fill_commands_without_an_experiment_are_the_python_form():
-    assert shards.fill_commands([0, 2], 4, ["run_dir=/x y", "extract.shard=9/9"]) == [
-        "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
-        "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
-    assert shards.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_a_batch_that_fills_the_budget_exactly_closes_it():
-    assert shards.plan_batches((0, 1, 2, 3), [5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
-
-
-def test_a_config_without_architectures_reads_as_unknown(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
-    assert target.read_target_shape(tmp_path).architecture == "unknown"
-
-
-def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
-    out = tmp_path / "a" / "b" / "extract"
-    free = 3 * 2**30
-    monkeypatch.setattr(shards.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
-    assert shards.check_disk(out, 3 * 2**20, 2**10, 1.0) == free  # exactly what is free: fits
-    assert out.is_dir()
-    with pytest.raises(RuntimeError, match=re.escape(
-            f"{out}: 3.0 GiB free, extraction needs about 4.5 GiB (3145728 tokens x 1024 B x 1.5)")):
-        shards.check_disk(out, 3 * 2**20, 2**10, 1.5)
-
-
-def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
-    from safetensors.torch import save_file
-
-    plan = shards.ShardPlan(0, (3,), 2)
-    save_file({formats.SAMPLE_IDS: torch.tensor([3])}, str(tmp_path / plan.name))
-    assert not shards.shard_is_complete(tmp_path / plan.name, plan, "abc")
-
-
-def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
-    tensors = {"x": torch.arange(3)}
-    formats.write_shard(tmp_path / "a.safetensors", tensors, {formats.FINGERPRINT: "f", "aux": [1, 2]})
-    formats.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], formats.FINGERPRINT: "f"})
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
-
-
-def test_packed_input_ids_are_int64_whatever_the_engine_returns():
-    plan = shards.ShardPlan(0, (1,), 2)
-    results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
-    packed = formats.pack_shard(plan.sample_ids, results, {1: [0, 1]}, "float32")
-    assert packed[formats.INPUT_IDS].dtype == torch.int64
-
-
-# --------------------------------------------------------------------------- scale-out edges that mutants found
-
-
 def test_the_finalize_error_is_exact_and_lists_at_most_listed_shards(tmp_path):
     """Every line of the message, for exactly LISTED missing shards (all named) and for two
     more (LISTED named, then the count of the rest)."""
@@ -415,6 +427,13 @@ def test_the_finalize_error_is_exact_and_lists_at_most_listed_shards(tmp_path):
     exact = plans[:shards.LISTED]
     assert shards.finalize_error(exact, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(exact, 0)
     assert shards.finalize_error(plans, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(plans, 2)
+
+
+def test_fill_commands_without_an_experiment_are_the_python_form():
+    assert shards.fill_commands([0, 2], 4, ["run_dir=/x y", "extract.shard=9/9"]) == [
+        "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
+        "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
+    assert shards.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
 
 
 def test_an_experiment_value_is_taken_whole_after_its_first_equals_sign():
@@ -441,28 +460,3 @@ def test_shard_records_name_samples_tokens_bytes_sha_and_recorded_seconds(tmp_pa
          **({"seconds": 1.5} if p.index == 0 else {})}
         for p in plans]
     assert [(r["samples"], r["tokens"]) for r in records] == [(2, 7), (1, 5)]
-
-
-def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp_path):
-    """The digest is sha256 over 'relative name NUL file sha256' per file in name order;
-    the cache answers for a file whose size and mtime it recorded, even across calls (shown
-    by content changed behind its back with size and mtime put back)."""
-    root = tmp_path / "target"
-    (root / "sub").mkdir(parents=True)
-    files = {"config.json": b"{}", "sub/w.bin": b"weights"}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
-    cache = tmp_path / "cache.json"
-    assert target.target_digest(root, cache) == digest.hexdigest()
-    recorded = artifacts.read_json(cache)
-    weights = root / "sub/w.bin"
-    assert recorded[str(weights.resolve())] == [
-        [len(b"weights"), weights.stat().st_mtime_ns], hashlib.sha256(b"weights").hexdigest()]
-    stat = weights.stat()
-    weights.write_bytes(b"WEIGHTS")
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert target.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
-    assert target.target_digest(root, cache) == digest.hexdigest()

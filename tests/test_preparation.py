@@ -82,6 +82,21 @@ def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
         validate_shard(path, 2, 4)
 
 
+def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.prepare import validate_shard, write_index
+
+    path = tmp_path / "one.safetensors"
+    save_shard(path, torch.zeros(3, 2, 4), torch.arange(3), torch.ones(3, dtype=torch.uint8),
+               torch.tensor([0, 1, 3]), torch.tensor([5, 6]))
+    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
+    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert index[formats.VALIDATION].dtype == torch.int64
+    assert index[formats.VALIDATION].shape == (0, 3)
+
+
 def rows(n: int, masked=lambda i: 1) -> list[tuple[int, int, int, int, int]]:
     """(shard, sample_id, row, length, masked): sample i is row i % 10 of shard i // 10."""
     return [(i // 10, i, i % 10, 5 + i % 7, masked(i)) for i in range(n)]
@@ -111,6 +126,25 @@ def test_the_coin_is_the_samples_hash_below_the_fraction():
     assert 400 < sum(is_validation(i, 0.5, 3) for i in range(1000)) < 600
 
 
+def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
+    """Exactly min_validation samples won the coin: they are the validation split as drawn, in
+    the rows' order (the lowest-hash fallback is only for fewer)."""
+    import hashlib
+
+    from draftline.prepare import split_rows
+
+    def coin(seed, i):
+        return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
+
+    for seed in range(100):  # a seed whose two lowest coins are not in sample order
+        lowest = sorted(range(15), key=lambda i: coin(seed, i))
+        if lowest[0] > lowest[1]:
+            break
+    fraction = (coin(seed, lowest[1]) + coin(seed, lowest[2])) / 2  # exactly two win
+    _, validation = split_rows(rows(15), fraction, seed=seed, min_validation=2)
+    assert [r[1] for r in validation] == sorted(lowest[:2])
+
+
 def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
     from draftline.prepare import split_rows
 
@@ -119,6 +153,19 @@ def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
     assert {r[1] for r in train} | {r[1] for r in validation} == set(range(5))
     assert split_rows(rows(5), 0.0, seed=0, min_validation=2) == (train, validation)
     with pytest.raises(ValueError, match="no training samples left"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
+    import hashlib
+
+    from draftline.prepare import split_rows
+
+    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
+    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
+    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
+    assert [r[1] for r in validation] == by_hash[:3]
+    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
         split_rows(rows(2), 0.0, seed=0, min_validation=2)
 
 
@@ -144,53 +191,3 @@ def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
     assert index[formats.VALIDATION].tolist() == [[0, 0, 7]]
     write_index(tmp_path / "empty.safetensors", train, [])
     assert load_file(str(tmp_path / "empty.safetensors"))[formats.VALIDATION].shape == (0, 3)
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
-    import hashlib
-
-    from draftline.prepare import split_rows
-
-    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
-    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
-    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
-    assert [r[1] for r in validation] == by_hash[:3]
-    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
-        split_rows(rows(2), 0.0, seed=0, min_validation=2)
-
-
-def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
-    from safetensors.torch import load_file
-
-    from draftline.prepare import validate_shard, write_index
-
-    path = tmp_path / "one.safetensors"
-    save_shard(path, torch.zeros(3, 2, 4), torch.arange(3), torch.ones(3, dtype=torch.uint8),
-               torch.tensor([0, 1, 3]), torch.tensor([5, 6]))
-    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
-    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
-    index = load_file(str(tmp_path / "index.safetensors"))
-    assert index[formats.VALIDATION].dtype == torch.int64
-    assert index[formats.VALIDATION].shape == (0, 3)
-
-
-def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
-    """Exactly min_validation samples won the coin: they are the validation split as drawn, in
-    the rows' order (the lowest-hash fallback is only for fewer)."""
-    import hashlib
-
-    from draftline.prepare import split_rows
-
-    def coin(seed, i):
-        return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
-
-    for seed in range(100):  # a seed whose two lowest coins are not in sample order
-        lowest = sorted(range(15), key=lambda i: coin(seed, i))
-        if lowest[0] > lowest[1]:
-            break
-    fraction = (coin(seed, lowest[1]) + coin(seed, lowest[2])) / 2  # exactly two win
-    _, validation = split_rows(rows(15), fraction, seed=seed, min_validation=2)
-    assert [r[1] for r in validation] == sorted(lowest[:2])
