@@ -58,8 +58,8 @@ def main() -> None:
     from dataclasses import replace
 
     from draftline import regenerate, serve
-    from draftline.pipeline import artifacts, config
     from draftline.evaluate.rollout import num_speculative_tokens
+    from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(args.exp, args.overrides))
     run_dir = Path(cfg.run_dir)

@@ -150,8 +150,8 @@ class TreeRSS:
 def measure(data: str, model: str, workers: int, seq_length: int) -> dict:
     """Tokenize ``data`` once in this process; numbers and a hash of the output."""
     from draftline.tokenize.conversations import DEFAULT_ROLES
-    from draftline.tokenize.sources import open_source
     from draftline.tokenize.encode import Budget, tokenize_source
+    from draftline.tokenize.sources import open_source
 
     with TreeRSS() as tree:
         start = time.perf_counter()

@@ -19,11 +19,11 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline import regenerate, target
-from draftline.pipeline import artifacts, config
-from draftline.tokenize import vocab
 from draftline.formats import read_samples, write_samples
+from draftline.pipeline import artifacts, config
 from draftline.pipeline.progress import Progress
 from draftline.pipeline.stage import run_stage
+from draftline.tokenize import vocab
 
 log = logging.getLogger("draftline.regenerate")
 MODES = ("data", "target")

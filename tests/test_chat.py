@@ -22,8 +22,8 @@ from draftline.tokenize.chat import (
     encode_conversation,
     tokenize_conversation,
 )
-from draftline.tokenize.conversations import DataError, load_conversations
 from draftline.tiny.embedded import write_conversations
+from draftline.tokenize.conversations import DataError, load_conversations
 
 END = targets.END
 CONVERSATION = [

@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline.evaluate import in_vllm, offline, rollout, stats
 from draftline import formats, regenerate
+from draftline.evaluate import in_vllm, offline, rollout, stats
 from stages.evaluate import GateFailed, apply_gate, check_features
 from conftest import compose
 

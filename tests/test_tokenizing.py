@@ -10,8 +10,8 @@ import pytest
 from draftline.tiny import targets
 from draftline.tokenize import chat
 from draftline.tokenize.conversations import DEFAULT_ROLES, DataError
-from draftline.tokenize.sources import open_source
 from draftline.tokenize.encode import Budget, tokenize_source
+from draftline.tokenize.sources import open_source
 
 QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 

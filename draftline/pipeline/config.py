@@ -50,30 +50,6 @@ def experiment_overrides(exp: str, extra: list[str]) -> list[str]:
     return [f"experiment={exp}", *extra]
 
 
-class NotAProjectPath(ValueError):
-    """A path the project would write (a built tiny target, the embedded set) that names a
-    place outside its assets: a user's file or directory, which the project never writes."""
-
-
-def check_data_path(cfg) -> None:
-    """Refuse the embedded set at a ``data.path`` of the user's (it would be read as the set)."""
-    if cfg.data.build:
-        from draftline.tiny import embedded
-
-        embedded.check_data_path(cfg.data.path, cfg.assets_dir)
-
-
-def check_owned_paths(cfg) -> None:
-    """Refuse a config whose project-built inputs point at a user's path (before any write)."""
-    check_data_path(cfg)
-    model_dir, assets = Path(cfg.model.path).resolve(), Path(cfg.assets_dir).resolve()
-    if cfg.model.build and assets not in model_dir.parents:
-        raise NotAProjectPath(
-            f"model.path={cfg.model.path} is set, but the model is the project-built "
-            f"{cfg.model.build}, which lives only under {cfg.assets_dir}/: for a model of your own "
-            "give it a conf/model/<name>.yaml with build: null")
-
-
 def input_fingerprint(path: str | Path) -> dict:
     """Path, size and mtime of an input file, as Make itself would judge it."""
     path = Path(path)

@@ -68,12 +68,29 @@ def stamp_is_fresh(exp: str, argv: list[str]) -> bool:
     return stamps_exist and saved["key"] == _cache_key(argv, saved["inputs"])
 
 
+class NotAProjectPath(ValueError):
+    """A path the project would write (a built tiny target) that names a place outside its
+    assets: a user's directory, which the project never writes."""
+
+
+def check_owned_paths(cfg) -> None:
+    """Refuse a config whose project-built inputs point at a user's path (before any write)."""
+    from draftline.tiny import embedded
+
+    if cfg.data.build:
+        embedded.check_data_path(cfg.data.path, cfg.assets_dir)
+    model_dir, assets = Path(cfg.model.path).resolve(), Path(cfg.assets_dir).resolve()
+    if cfg.model.build and assets not in model_dir.parents:
+        raise NotAProjectPath(
+            f"model.path={cfg.model.path} is set, but the model is the project-built "
+            f"{cfg.model.build}, which lives only under {cfg.assets_dir}/: for a model of your own "
+            "give it a conf/model/<name>.yaml with build: null")
+
+
 def ensure_assets(cfg) -> None:
     """Build project-made inputs that do not exist yet (deterministic builders), only at the
-    project's own paths (``config.check_owned_paths``)."""
-    from draftline.pipeline import config
-
-    config.check_owned_paths(cfg)
+    project's own paths (``check_owned_paths``)."""
+    check_owned_paths(cfg)
     model_dir = Path(cfg.model.path)
     if cfg.model.build and not (model_dir / "config.json").exists():
         from draftline.tiny import targets
@@ -113,7 +130,7 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
     from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
-    config.check_owned_paths(cfg)
+    check_owned_paths(cfg)
     changed, stamps = [], []
     for stage in config.STAGES:
         path = config.stage_dir(cfg, stage) / artifacts.STAMP
@@ -305,7 +322,7 @@ def main() -> None:
 
     try:
         build_cli()()
-    except (embedded.NotTheEmbeddedPath, config.NotAProjectPath) as error:
+    except (embedded.NotTheEmbeddedPath, NotAProjectPath) as error:
         # A config mistake, not a failure of the code: its message is the whole story.
         print(f"draftline: {error}", file=sys.stderr)
         sys.exit(2)
