@@ -137,7 +137,7 @@ def quantile(values: list[float], q: float) -> float:
 
 def reference_bootstrap(rows: list[list[int]], resamples: int, level: float, seed: int):
     """The percentile bootstrap written out in plain Python over the same resample draws
-    (torch's generator picks the rows; everything after is independent of evaluation.py)."""
+    (torch's generator picks the rows; everything after is independent of draftline/evaluate/)."""
     n = len(rows)
     picks = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed)).tolist()
     taus, conditional = [], []

@@ -1,6 +1,6 @@
 """The patched speculators generator on the real vLLM CPU engine, checked against HF.
 
-Convention under test (patches/0002): for aux id i the captured row is the input of decoder
+Convention under test (patches/speculators/0002): for aux id i the captured row is the input of decoder
 layer i, which is transformers' ``hidden_states[i]``; the last slot is the final hidden state
 after the final norm, which is transformers' ``hidden_states[num_layers]``.
 """
@@ -82,10 +82,10 @@ def deepseek(tmp_path_factory, cpu_engine_env):
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory, cpu_engine_env):
-    """The tiny Kimi-K2.5 wrapper, text-only (patches/0005's limit_mm_per_prompt)."""
+    """The tiny Kimi-K2.5 wrapper, text-only (patches/speculators/0005's limit_mm_per_prompt)."""
     model_dir = targets.build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "model",
                                          num_layers=NUM_DSV3_LAYERS)
-    # The generator reads kimi_k25 with vLLM's config parser (patches/0005): no remote code.
+    # The generator reads kimi_k25 with vLLM's config parser (patches/speculators/0005): no remote code.
     generator = _make_generator(model_dir, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY)
     yield model_dir, generator
     generator.shutdown()
