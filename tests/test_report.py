@@ -27,7 +27,7 @@ LOG = """\
 - step 1/2 loss 9.0 | ttt0 loss 9.0 acc 0.0 cond 0.0 | ttt1 loss 9.0 acc 0.0 cond 0.0 | lr 1e-4
 - step 1/3 loss 2.5 | ttt0 loss 0.9 acc 0.2 cond 0.2 | ttt1 loss 1.6 acc 0.1 cond 0.5 | lr 1e-4
 - step 2/3 loss 2.4 | ttt0 loss 0.8 acc 0.3 cond 0.3 | ttt1 loss 1.6 acc 0.1 cond 0.3 | lr 1e-4
-- step 3/3 loss 2.3 | ttt0 loss 0.7 acc 0.4 cond 0.4 | ttt1 loss 1.6 acc 0.2 cond 0.5 | lr 1e-4
+- train 3/3 steps (5.98 steps/s, 2491 tok/s, ETA 0:00:00) | loss 2.3 | ttt0 loss 0.7 acc 0.4 cond 0.4 | ttt1 loss 1.6 acc 0.2 cond 0.5 | lr 1e-4
 """
 
 

@@ -105,7 +105,7 @@ def run_until_step(command: list[str], step: int) -> tuple[subprocess.Popen, lis
     lines, deadline = [], time.monotonic() + LAUNCH_TIMEOUT
     for line in process.stdout:
         lines.append(line)
-        if re.search(rf"\] - step {step}/", line):
+        if re.search(rf"\] - train {step}/\d+ steps", line):
             return process, lines
         if time.monotonic() > deadline:
             break

@@ -622,6 +622,8 @@ def test_assets_cli_builds_the_embedded_set_once_then_skips(tmp_path, monkeypatc
     assert _main(monkeypatch, status, ["assets", "tiny"]) == 0
     assert _sha(data) == _sha(embedded.DATA_DIR / embedded.CONVERSATIONS)
     assert model.read_text() == "{}"
+    # Its record is the Makefile's $(EXP_ASSETS), under the run dir: the file Make's rule names.
+    assert sorted(p.name for p in Path("runs/tiny").iterdir()) == [".assets-cache.json"]
     built = data.stat().st_mtime_ns
     calls = []
     monkeypatch.setattr(status, "ensure_assets", calls.append)
