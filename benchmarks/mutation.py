@@ -48,7 +48,7 @@ def statuses() -> dict[str, str]:
 
 
 def module_of(mutant: str) -> str:
-    """draftline.vocab.x_coverage__mutmut_3 -> draftline/vocab.py"""
+    """draftline.tokenize.vocab.x_coverage__mutmut_3 -> draftline/tokenize/vocab.py"""
     return mutant.rsplit(".", 1)[0].replace(".", "/") + ".py"
 
 
@@ -102,7 +102,7 @@ def write(summary: dict, seconds: float | None) -> None:
 
 
 @app.command()
-def run(names: list[str] = typer.Argument(None, help="mutant name globs, e.g. 'draftline.vocab.*'"),
+def run(names: list[str] = typer.Argument(None, help="mutant name globs, e.g. 'draftline.tokenize.vocab.*'"),
         workers: int = typer.Option(os.cpu_count() or 1, help="mutants tested at once"),
         fresh: bool = typer.Option(True, help="start over (remove mutants/)")) -> None:
     """Run mutmut over the configured modules, then print and write the per-module table."""

@@ -34,20 +34,20 @@ def parse_args() -> argparse.Namespace:
 
 def heldout_prompts(run_dir: Path, limit: int | None) -> tuple[list[list[int]], list[int]]:
     """Every held-out reply's prompt (the tokens before it) and its length."""
-    from draftline import artifacts
-    from draftline.evaluation import read_rows
-    from draftline.regeneration import reply_spans
-    from draftline.train_data import load_split
+    from draftline import formats
+    from draftline.pipeline import artifacts
+    from draftline.regenerate import reply_spans
 
     prepared = artifacts.read_manifest(run_dir / "prepare")
-    rows = load_split(run_dir / "prepare" / prepared["index"], "validation")
+    rows = formats.load_split(run_dir / "prepare" / prepared["index"], formats.VALIDATION)
     prompts, lengths = [], []
     for shard_index in rows[:, 0].unique().tolist():
         mine = rows[rows[:, 0] == shard_index]
-        for data in read_rows(Path(prepared["shards"][shard_index]), mine[:, 1].tolist(),
-                              ("input_ids", "loss_mask")):
-            ids = data["input_ids"].tolist()
-            for a, b in reply_spans(data["loss_mask"].bool().tolist()):
+        for data in formats.read_shard_rows(Path(prepared["shards"][shard_index]),
+                                            mine[:, 1].tolist(),
+                                            (formats.INPUT_IDS, formats.LOSS_MASK)):
+            ids = data[formats.INPUT_IDS].tolist()
+            for a, b in reply_spans(data[formats.LOSS_MASK].bool().tolist()):
                 prompts.append(ids[:a])
                 lengths.append(b - a)
     return prompts[:limit], lengths[:limit]
@@ -57,8 +57,9 @@ def main() -> None:
     args = parse_args()
     from dataclasses import replace
 
-    from draftline import artifacts, config, regeneration, serving
-    from draftline.evaluation import num_speculative_tokens
+    from draftline import regenerate, serve
+    from draftline.evaluate.rollout import num_speculative_tokens
+    from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(args.exp, args.overrides))
     run_dir = Path(cfg.run_dir)
@@ -67,13 +68,13 @@ def main() -> None:
     k = num_speculative_tokens(draft)
     prompts, lengths = heldout_prompts(run_dir, args.max_prompts)
     options = replace(config.engine_options(cfg, cfg.evaluate.vllm), max_num_seqs=args.max_num_seqs)
-    stops = regeneration.stop_token_ids(cfg.model.path)
+    stops = regenerate.stop_token_ids(cfg.model.path)
     print(f"{len(prompts)} held-out prompts, {sum(lengths)} reply tokens at most; draft {draft}, k={k}")
 
     runs: dict[str, list[dict]] = {"target alone": [], "with draft": []}
     for repeat in range(args.repeats):
         for name, with_draft in (("target alone", False), ("with draft", True)):
-            result = serving.generate_timed(options, draft if with_draft else None,
+            result = serve.generate_timed(options, draft if with_draft else None,
                                             k if with_draft else None, prompts, lengths, stops)
             result["tokens_out"] = sum(len(t) for t in result["tokens"])
             runs[name].append(result)

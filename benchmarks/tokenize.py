@@ -149,9 +149,9 @@ class TreeRSS:
 
 def measure(data: str, model: str, workers: int, seq_length: int) -> dict:
     """Tokenize ``data`` once in this process; numbers and a hash of the output."""
-    from draftline.conversations import DEFAULT_ROLES
-    from draftline.data_sources import open_source
-    from draftline.tokenizing import Budget, tokenize_source
+    from draftline.tokenize.conversations import DEFAULT_ROLES
+    from draftline.tokenize.encode import Budget, tokenize_source
+    from draftline.tokenize.sources import open_source
 
     with TreeRSS() as tree:
         start = time.perf_counter()
@@ -213,14 +213,14 @@ def main() -> None:
         print(json.dumps(measure(*args.measure, args.workers[0], args.seq_length)))
         return
 
-    from draftline import tiny
+    from draftline.tiny import targets
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
         data, model = Path(tmp) / "sharegpt.jsonl", Path(tmp) / "model"
         quirks = generate(data, args.conversations)
         print(f"generated {args.conversations} conversations ({data.stat().st_size / 2**20:.1f} MiB), "
               f"quirks: {dict(sorted((str(k), v) for k, v in quirks.items()))}", flush=True)
-        tiny.build_tiny_llama(model)
+        targets.build_tiny_llama(model)
         rows = []
         for fmt in args.formats:
             path = convert(data, fmt)

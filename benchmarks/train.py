@@ -7,14 +7,14 @@
     python -m benchmarks.train --results one.json                 # plain, one GPU: the baseline
     python -m benchmarks.train --gpus 2 --baseline one.json       # DDP on 2 GPUs, with the ratio
 
-For each precision, the same training step (``draftline.training.Session.step``: speculators'
+For each precision, the same training step (``draftline.train.loop.Session.step``: speculators'
 forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
 ``--warmup`` untimed then ``--steps`` timed steps:
 
 1. ``resident``: synthetic batches made once on the device (bf16 hidden states, as shards
    store them) and reused -- the step alone;
 2. ``disk``: batches read from synthetic shards through the training data path
-   (``draftline.train_data.PackedLoader``: memory-mapped shards, packing by token budget with
+   (``draftline.train.loader.PackedLoader``: memory-mapped shards, packing by token budget with
    speculators' sampler, pinned buffers, packing threads, device copy one step ahead).
 
 Shards (``--disk-tokens`` tokens, default enough for every step of one run) are written to
@@ -48,7 +48,7 @@ positions of each token at TTT step k); kernels that compute masked blocks do mo
 Llama-3.1-8B defaults: ~7.3 GFLOP per position.
 
 Several GPUs (``--gpus N``): the command re-launches itself under torchrun with N processes
-(``draftline.launch``: one per GPU, NCCL -- gloo with ``--device cpu`` -- and NVLink multicast
+(``draftline.pipeline.launch``: one per GPU, NCCL -- gloo with ``--device cpu`` -- and NVLink multicast
 off, as ``make train GPUS=N`` runs), each rank on ``cuda:<local rank>`` with the draft wrapped in
 ``DistributedDataParallel`` (also at N = 1, so ``--gpus 1`` against the plain run is DDP's own
 cost), exactly as the train stage trains.  ``--tokens-per-step`` is each rank's budget (weak
@@ -99,17 +99,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftline import launch
-from draftline.train_data import (
+from draftline import formats
+from draftline.pipeline import launch
+from draftline.train.loader import (
+    HIDDEN_KEYS,
     PackedLoader,
     ShardSampleDataset,
-    load_split,
-    load_vocab_mapping,
     make_sampler,
     plan_steps,
 )
-from draftline.train_model import build_draft
-from draftline.training import Session, make_session
+from draftline.train.draft import build_draft
+from draftline.train.loop import Session, make_session
 
 NUM_AUX = 3
 SLOTS = NUM_AUX + 1
@@ -182,29 +182,11 @@ def dims_from(args: argparse.Namespace) -> Dims:
                 draft_vocab=args.draft_vocab, layers=args.layers, ttt=args.ttt)
 
 
-def pick_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
-def rank_device(requested: str, local_rank: int) -> str:
-    """This rank's device under torchrun: ``cuda:<local rank>`` or ``cpu``."""
-    device = pick_device(requested)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"--gpus takes --device auto, cuda or cpu (each rank uses "
-                         f"cuda:<local rank>), got --device {requested}")
-    return f"cuda:{local_rank}" if device == "cuda" else device
-
-
 def rank_tokens(args: argparse.Namespace, world: launch.World) -> int:
-    """One rank's token budget per step."""
+    """One rank's token budget per step: all of it, or with --split-budget its share."""
     if not args.split_budget:
         return args.tokens_per_step
-    if args.tokens_per_step % world.world_size:
-        raise ValueError(f"--split-budget: --tokens-per-step {args.tokens_per_step} does not "
-                         f"divide among {world.world_size} processes")
-    return args.tokens_per_step // world.world_size
+    return launch.rank_tokens(args.tokens_per_step, world, "--split-budget --tokens-per-step")
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -314,22 +296,27 @@ def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, m
         paths.append(path)
         first += count
     index = root / "split.safetensors"
-    save_file({"train": torch.tensor(rows, dtype=torch.int64),
-               "validation": torch.zeros(0, 3, dtype=torch.int64)}, str(index))
+    formats.write_split_index(index, torch.tensor(rows, dtype=torch.int64),
+                              torch.zeros(0, 3, dtype=torch.int64))
     return paths, index
 
 
 def _shard_tensors(dims: Dims, lengths: list[int], first_id: int,
                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random samples packed as the extract stage packs them (every token in the loss)."""
     tokens = sum(lengths)
-    hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)
-    return {
-        "hidden_states": hidden,  # [tokens, slots, H]
-        "input_ids": torch.randint(0, dims.vocab, (tokens,), generator=generator),
-        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-        "sample_offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
-        "sample_ids": torch.arange(first_id, first_id + len(lengths), dtype=torch.int64),
-    }
+    hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)  # [tokens, slots, H]
+    ids = torch.randint(0, dims.vocab, (tokens,), generator=generator)  # [tokens]
+    mask = torch.ones(tokens, dtype=torch.uint8)  # [tokens]
+    sample_ids = range(first_id, first_id + len(lengths))
+    results, masks, start = {}, {}, 0
+    for sample_id, length in zip(sample_ids, lengths):
+        span = slice(start, start + length)
+        # What the hidden-state generator returns per sample: one [T, H] tensor per slot.
+        results[sample_id] = {"hidden_states": list(hidden[span].unbind(1)), "input_ids": ids[span]}
+        masks[sample_id] = mask[span]
+        start += length
+    return formats.pack_shard(tuple(sample_ids), results, masks, "bfloat16")
 
 
 def drop_page_cache(paths: Iterable[Path]) -> None:
@@ -461,7 +448,7 @@ def loader_alone(loader: PackedLoader, device: str) -> tuple[float, float]:
     nbytes, tokens, start = 0, 0, time.perf_counter()
     for batch in batches:
         nbytes += sum(batch[k].numel() * batch[k].element_size()
-                      for k in ("hidden_states", "verifier_last_hidden_states"))
+                      for k in HIDDEN_KEYS)
         tokens += int(batch["lengths"].sum())
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -496,7 +483,7 @@ def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: st
 def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session, steps: int,
                 tokens: int) -> tuple[PackedLoader, list[int]]:
     """This rank's loader over its share of the shards, and the dataset rows it will read."""
-    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     world = session.world
     sampler = make_sampler(dataset.lengths, tokens, args.seed, world.rank, world.world_size)
     batches = [batch for _, batch in plan_steps(sampler, 0, steps)]
@@ -531,14 +518,14 @@ def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: 
     return results
 
 
-def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_size: int) -> None:
+def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world: launch.World) -> None:
     """Verifier, vocabulary mapping, shards and split index, written under ``workdir``."""
     generator = torch.Generator().manual_seed(args.seed)
     write_verifier(workdir / "verifier", dims, generator)
     d2t, t2d = vocab_mapping(dims, generator)
-    save_file({"d2t": d2t, "t2d": t2d}, str(workdir / "vocab.safetensors"))
-    per_rank = args.tokens_per_step // world_size if args.split_budget else args.tokens_per_step
-    tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world_size
+    formats.write_vocab_mapping(workdir / "vocab.safetensors", d2t, t2d)
+    per_rank = rank_tokens(args, world)
+    tokens = args.disk_tokens or (args.warmup + args.steps) * per_rank * world.world_size
     mean = args.sample_len or max(2, per_rank // 8)
     start = time.perf_counter()
     shards, _ = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
@@ -549,7 +536,7 @@ def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world_si
 
 
 def load_inputs(workdir: Path) -> Inputs:
-    d2t, t2d = load_vocab_mapping(workdir / "vocab.safetensors")
+    d2t, t2d = formats.load_vocab_mapping(workdir / "vocab.safetensors")
     shards = sorted((workdir / "shards").glob("shard-*.safetensors"))
     return Inputs(workdir / "verifier", d2t, t2d, shards, workdir / "shards" / "split.safetensors")
 
@@ -559,7 +546,7 @@ def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
     drop_page_cache(inputs.shards)
     print(f"sequential read (cold cache): {sequential_read(inputs.shards):.2f} GB/s",
           flush=True)
-    dataset = ShardSampleDataset(inputs.shards, load_split(inputs.index, "train"))
+    dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
     batches = [batch for _, batch in plan_steps(sampler, 0, args.warmup + args.steps)]
     loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,
@@ -583,7 +570,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     """
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    if pick_device(args.device) != "cpu" and args.gpus > torch.cuda.device_count():
+    if launch.rank_device(args.device, setting="--device") != "cpu" and args.gpus > torch.cuda.device_count():
         raise ValueError(f"--gpus {args.gpus} but {torch.cuda.device_count()} CUDA GPU(s) here")
     workdir = args.workdir
     if workdir is None:
@@ -628,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(launch_ranks(args, argv))
     world = this_world(args)
     ddp = args.gpus is not None
-    device = rank_device(args.device, world.local_rank) if ddp else pick_device(args.device)
+    device = launch.rank_device(args.device, world, "--device")
     if ddp:
         launch.init_process_group(device, args.collective_timeout_s)
     try:
@@ -653,7 +640,7 @@ def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: st
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="draftline-bench-"))
     try:
         if world.is_main:
-            prepare_inputs(args, dims, workdir, world.world_size)
+            prepare_inputs(args, dims, workdir, world)
         barrier(world)  # the other ranks read what rank 0 wrote
         inputs = load_inputs(workdir)
         if not ddp:

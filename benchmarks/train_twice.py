@@ -7,7 +7,7 @@
 
 Arguments after the experiment are Hydra overrides, exactly as `make train OVERRIDES=...`
 takes them. Each run is its own process (``--one``: a fresh CUDA context, no shared caches)
-that calls ``draftline.training.train`` with the stage's arguments into its own directory
+that calls ``draftline.train.loop.train`` with the stage's arguments into its own directory
 under ``runs/<exp>/train-twice/``, with ``numerics`` applied as every stage applies it; then
 every tensor of the two saved drafts (model.safetensors, in the save dtype) and of the two
 last checkpoints (the float32 master weights) is compared. Printed: the numerics in
@@ -37,11 +37,11 @@ from pathlib import Path
 
 
 def one(exp: str, overrides: list[str], out: Path) -> dict:
-    from draftline import artifacts, config, numerics
+    from draftline.pipeline import artifacts, config, numerics
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
-    from draftline import training
+    from draftline.train import loop
 
     prepare_dir = config.stage_dir(cfg, "prepare")
     prepared = artifacts.read_manifest(prepare_dir)
@@ -49,7 +49,7 @@ def one(exp: str, overrides: list[str], out: Path) -> dict:
     start = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = _train(training, cfg, prepare_dir, prepared, extract, out)
+        result = _train(loop, cfg, prepare_dir, prepared, extract, out)
     for warning in caught:  # shown as usual, after the run
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     nondeterministic = sorted({str(w.message).split("\n")[0] for w in caught
@@ -60,14 +60,15 @@ def one(exp: str, overrides: list[str], out: Path) -> dict:
             "numerics": numerics.describe(applied)}
 
 
-def _train(training, cfg, prepare_dir: Path, prepared: dict, extract: dict, out: Path) -> dict:
-    from stages.train import auto_or, pick_device, vocab_path
+def _train(loop, cfg, prepare_dir: Path, prepared: dict, extract: dict, out: Path) -> dict:
+    from draftline.pipeline import launch
+    from stages.train import auto_or, vocab_path
 
-    return training.train(
+    return loop.train(
         prepared["shards"], prepare_dir / prepared["index"], vocab_path(cfg), str(cfg.model.path),
         out, list(extract["aux_layer_ids"]), steps=int(cfg.train.steps), lr=float(cfg.train.lr),
         ttt_steps=int(cfg.train.ttt_steps), max_tokens_per_step=int(cfg.train.max_tokens_per_step),
-        seed=int(cfg.train.seed), device=pick_device(str(cfg.train.device)),
+        seed=int(cfg.train.seed), device=launch.rank_device(str(cfg.train.device)),
         num_layers=int(cfg.train.num_layers), checkpoint_every=int(cfg.train.checkpoint_every),
         precision=str(cfg.train.precision), compile=auto_or(cfg.train.compile, bool),
         loader_threads=auto_or(cfg.train.loader_threads, int),
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> None:
           f"{max(abs(x - y) for x, y in losses):.3g}")
     drafts = [Path(r["draft"]) / "model.safetensors" for r in runs]
     compare("saved draft (model.safetensors, save dtype)", *drafts)
-    from draftline.train_checkpoint import latest_checkpoint
+    from draftline.train.checkpoint import latest_checkpoint
 
     masters = [latest_checkpoint(Path(r["draft"]).parent) / "draft.safetensors" for r in runs]
     compare("last checkpoint (float32 master weights)", *masters)

@@ -4,7 +4,7 @@
                     [--patches NAME@sha256:HEX,...] [--vllm-patches NAME@sha256:HEX,...]
 
 Every ``--expect`` must match the installed distribution; ``--patches`` and ``--vllm-patches``
-(``make image`` passes the queues in patches/ and patches/vllm/; empty: not compared) must equal
+(``make image`` passes the queues in patches/speculators/ and patches/vllm/; empty: not compared) must equal
 what draftline.patchq recorded in the installed speculators and vllm, and each record must name
 the distribution and version that are installed: the image's labels carry the same values, so
 a label can never disagree with what is installed. OUT (JSON) holds the versions of every
@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 ARCH_LISTS = ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST")
+# draftline.patchq.RECORD_NAME, spelled here because this script runs without draftline
+# (tests/test_docker.py holds the two equal).
+RECORD_NAME = "DRAFTLINE_PATCHES.json"
 
 
 def installed_versions() -> dict[str, str]:
@@ -39,7 +42,7 @@ def patch_record(package: str = "speculators") -> dict:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         sys.exit(f"error: {package} is not installed")
-    path = Path(spec.origin).parent / "DRAFTLINE_PATCHES.json"
+    path = Path(spec.origin).parent / RECORD_NAME
     if not path.exists():
         sys.exit(f"error: {package} is unpatched ({path} missing): run make setup")
     return json.loads(path.read_text())
@@ -77,7 +80,7 @@ def main() -> None:
     parser.add_argument("--stack", required=True, choices=("cpu", "gpu"))
     parser.add_argument("--expect", action="append", default=[], metavar="NAME==VERSION")
     parser.add_argument("--patches", default="", metavar="NAME@sha256:HEX,...",
-                        help="speculators' queue (patches/)")
+                        help="speculators' queue (patches/speculators/)")
     parser.add_argument("--vllm-patches", default="", metavar="NAME@sha256:HEX,...",
                         help="vLLM's queue (patches/vllm/)")
     parser.add_argument("--input", action="append", default=[], metavar="KEY=VALUE")

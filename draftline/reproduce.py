@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftline import artifacts, config
+from draftline.pipeline import artifacts, config
 
 # Written by every run and not outputs: their bytes hold wall times, hosts and paths.
 NOT_OUTPUTS = {artifacts.MANIFEST, artifacts.STAMP, "deps.json"}
@@ -89,7 +89,7 @@ def environment(provenance: dict) -> dict[str, str]:
 
 
 def here() -> dict[str, str]:
-    from draftline import numerics
+    from draftline.pipeline import numerics
 
     return environment({
         "git": artifacts.git_revision(), "locks": artifacts.lock_hashes(),
@@ -177,7 +177,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     """Project-built targets are rebuilt when missing; anything else must be there."""
     from omegaconf import OmegaConf
 
-    from draftline import status
+    from draftline.pipeline import status
 
     model = cfg["model"]
     if Path(model["path"], "config.json").exists():
@@ -185,7 +185,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     if model.get("build"):
         status.ensure_assets(OmegaConf.create(cfg))
     elif model.get("train"):
-        subprocess.run([sys.executable, "-m", "draftline.target_training", f"experiment={exp}"], check=True)
+        subprocess.run([sys.executable, "-m", "draftline.tiny.trained", f"experiment={exp}"], check=True)
     else:
         raise FileNotFoundError(f"target model {model['path']} missing: the run's model must be there")
 
@@ -206,10 +206,16 @@ def run_stage(stage: str, cfg: dict, work_dir: Path) -> float:
 # --------------------------------------------------------------------------- comparison
 
 
+# train's resume dir, train/<key>/ (stages.train.run_key: 12 hex digits).
+TRAIN_KEY_DIR = re.compile(r"[0-9a-f]{12}")
+
+
 def output_files(stage_dir: Path) -> dict[str, Path]:
-    """Output files by path relative to the stage dir; a resume key dir (train/runs/<key>/,
+    """Output files by path relative to the stage dir; a resume key dir (train/<key>/,
     regenerate/chunks/<key>/: hashes of config, paths, upstream manifests) is named by its
-    position instead."""
+    position instead. A run made before the draft moved out of train/runs/<key>/ lists its
+    files as train/<key>/ does, so it compares with a replay made now. The run's draft link,
+    <run dir>/draft, lies outside every stage dir: the draft is compared once, in train/."""
     files = {}
     for path in sorted(p for p in stage_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(stage_dir)
@@ -218,6 +224,10 @@ def output_files(stage_dir: Path) -> dict[str, Path]:
         parts = list(rel.parts)
         if len(parts) > 2 and parts[0] in ("runs", "chunks"):
             parts[1] = "<key>"
+            if parts[0] == "runs":  # train/runs/<key>/ of a run made before the move
+                parts = parts[1:]
+        elif len(parts) > 1 and stage_dir.name == "train" and TRAIN_KEY_DIR.fullmatch(parts[0]):
+            parts[0] = "<key>"
         files["/".join(parts)] = path
     return files
 
@@ -349,7 +359,7 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
         cfg = replay_config(stage, manifest, exp, out, data, default_threads)
         ensure_target(cfg, exp)
         if stage == "tokenize" and cfg["data"].get("build"):
-            from draftline import embedded
+            from draftline.tiny import embedded
 
             embedded.ensure_conversations(cfg["data"]["path"], cfg["assets_dir"], int(cfg["data"]["max_bytes"]))
         seconds = run_stage(stage, cfg, out)

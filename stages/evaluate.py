@@ -16,8 +16,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
-from draftline.stage import run_stage
+from draftline.pipeline import artifacts, config
+from draftline.pipeline.stage import run_stage
 
 log = logging.getLogger("draftline.evaluate")
 
@@ -28,7 +28,7 @@ def draft_dir(cfg: DictConfig, train: dict) -> Path:
 
 def check_features(draft: Path, extract: dict) -> list[int]:
     """The shards must hold the features the draft's config tells vLLM to feed it."""
-    from draftline.evaluation import draft_aux_layer_ids
+    from draftline.evaluate.rollout import draft_aux_layer_ids
 
     wanted = draft_aux_layer_ids(draft)
     stored = [int(i) for i in extract["aux_layer_ids"]]
@@ -41,19 +41,21 @@ def check_features(draft: Path, extract: dict) -> list[int]:
 def measure_in_vllm(cfg: DictConfig, draft: Path, k: int, samples: list, proposer, stats: dict,
                     skipped: list, on_target_text: bool) -> dict | None:
     """vLLM's own greedy speculative decoding of the held-out prompts, step by step, against
-    the offline walk of the same replies (draftline.evaluation.vllm_vs_offline)."""
-    from draftline import evaluation, regeneration, serving
+    the offline walk of the same replies (draftline.evaluate.in_vllm.vllm_vs_offline)."""
+    from draftline import regenerate, serve
+    from draftline.evaluate.in_vllm import vllm_vs_offline
+    from draftline.evaluate.offline import held_out_replies
 
     live = cfg.evaluate.vllm
     if not live.enabled:
         skipped.append({"what": "acceptance in vLLM", "reason": "evaluate.vllm.enabled=false"})
         return None
-    replies = evaluation.held_out_replies(samples, live.max_replies)
+    replies = held_out_replies(samples, live.max_replies)
     options = config.engine_options(cfg, live)
-    measured = serving.measure_replies(
+    measured = serve.measure_replies(
         options, draft.absolute(), k, [s.input_ids[:a].tolist() for s, a, _ in replies],
-        [b - a for _, a, b in replies], regeneration.stop_token_ids(cfg.model.path))
-    result = evaluation.vllm_vs_offline(replies, measured["replies"], proposer, k, stats)
+        [b - a for _, a, b in replies], regenerate.stop_token_ids(cfg.model.path))
+    result = vllm_vs_offline(replies, measured["replies"], proposer, k, stats)
     result["counters"] = measured["counters"]
     result["on_target_text"] = on_target_text
     log.info("vLLM on %d held-out replies: tau %.3f (acceptance %s), offline on the same replies "
@@ -133,9 +135,12 @@ def apply_gate(gate: dict | None, offline: dict, gate_file: str | None, baseline
 def run(cfg: DictConfig) -> dict:
     import torch
 
-    from draftline import evaluation
-    from draftline.train_data import load_split
-    from draftline.train_model import load_verifier_head, read_verifier
+    from draftline.evaluate.in_vllm import check_vllm_load
+    from draftline.evaluate.offline import (ALIGNMENT, baseline_drafts, count_tokens, evaluate_offline,
+                                            greedy_coverage, load_heldout)
+    from draftline.evaluate.rollout import DraftRunner, Eagle3Draft, load_draft, num_speculative_tokens
+    from draftline.formats import TRAIN, VALIDATION, load_split
+    from draftline.train.draft import load_verifier_head, read_verifier
 
     out_dir = config.stage_dir(cfg, "evaluate")
     train = artifacts.read_manifest(config.stage_dir(cfg, "train"))
@@ -144,21 +149,21 @@ def run(cfg: DictConfig) -> dict:
     prepared = artifacts.read_manifest(prepare_dir)
     draft = draft_dir(cfg, train)
     aux_ids = check_features(draft, extract)
-    k = int(cfg.evaluate.steps or evaluation.num_speculative_tokens(draft))
+    k = int(cfg.evaluate.steps or num_speculative_tokens(draft))
     torch.manual_seed(int(cfg.seed))
 
     _, head = load_verifier_head(read_verifier(cfg.model.path))  # [V, H]
     index = prepare_dir / prepared["index"]
-    samples = evaluation.load_heldout(prepared["shards"], load_split(index, "validation"), head,
+    samples = load_heldout(prepared["shards"], load_split(index, VALIDATION), head,
                                       cfg.evaluate.max_samples)
-    unigram, bigram = evaluation.count_tokens(prepared["shards"], load_split(index, "train"),
+    unigram, bigram = count_tokens(prepared["shards"], load_split(index, TRAIN),
                                               head.shape[0])
-    model = evaluation.load_draft(draft, cfg.model.path)
-    runner = evaluation.DraftRunner(model)
-    proposers = [evaluation.Eagle3Draft(runner), *evaluation.baseline_drafts(unigram, bigram)]
+    model = load_draft(draft, cfg.model.path)
+    runner = DraftRunner(model)
+    proposers = [Eagle3Draft(runner), *baseline_drafts(unigram, bigram)]
     stats = dict(resamples=int(cfg.evaluate.bootstrap), level=float(cfg.evaluate.confidence),
                  seed=int(cfg.seed))
-    offline = evaluation.evaluate_offline(proposers, samples, k, **stats)
+    offline = evaluate_offline(proposers, samples, k, **stats)
 
     skipped: list[dict] = []
     regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
@@ -166,7 +171,7 @@ def run(cfg: DictConfig) -> dict:
     measured = measure_in_vllm(cfg, draft, k, samples, proposers[0], stats, skipped, on_target_text)
     vllm = None
     if cfg.evaluate.vllm_check:
-        vllm = evaluation.check_vllm_load(draft, cfg.model.path, k,
+        vllm = check_vllm_load(draft, cfg.model.path, k,
                                           trust_remote_code=bool(cfg.model.trust_remote_code))
     else:
         skipped.append({"what": "vLLM load check", "reason": "evaluate.vllm_check=false"})
@@ -174,13 +179,13 @@ def run(cfg: DictConfig) -> dict:
     results = {
         "draft": str(draft), "k": k, "aux_layer_ids": aux_ids,
         "replies": "the target's own (regenerated)" if on_target_text else "the data's",
-        "held_out_samples": len(samples), "alignment": evaluation.ALIGNMENT,
+        "held_out_samples": len(samples), "alignment": ALIGNMENT,
         "ci": {"method": "percentile bootstrap over held-out samples (replies for vLLM)",
                "resamples": stats["resamples"], "level": stats["level"]},
         "offline": offline,
         "baselines_from": "training-split assistant-token counts "
                           "(unigram mode; bigram argmax with unigram back-off)",
-        "draft_vocab_coverage_of_greedy": evaluation.greedy_coverage(samples, model.t2d, k),
+        "draft_vocab_coverage_of_greedy": greedy_coverage(samples, model.t2d, k),
         "in_vllm": measured, "vllm_load": vllm,
     }
     artifacts.write_json(out_dir / "results.json", results)  # kept even when a check fails

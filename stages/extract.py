@@ -34,9 +34,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, extraction, launch, remote_code
-from draftline.samples import read_samples
-from draftline.stage import run_part, run_stage
+from draftline import formats, target
+from draftline.extract import shards
+from draftline.pipeline import artifacts, config, launch
+from draftline.pipeline.progress import TOKENS, Progress
+from draftline.pipeline.stage import run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
 REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by its parent
@@ -45,12 +47,12 @@ REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by it
 TARGET_DIGEST_CACHE = ".target-sha256.json"
 
 
-def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> extraction.TargetShape:
+def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> target.TargetShape:
     """Every check that can fail before a (possibly 25-minute) model load. ``replicas``: the
     engines this process may start, whose devices are checked (None: it starts none)."""
-    remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code))
-    shape = extraction.read_target_shape(cfg.model.path)
-    extraction.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
+    target.check(cfg.model.path, bool(cfg.model.trust_remote_code))
+    shape = target.read_target_shape(cfg.model.path)
+    target.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
     if (shape.num_layers, shape.hidden_size) != (cfg.model.num_layers, cfg.model.hidden_size):
         raise ValueError(f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
             f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
@@ -131,19 +133,19 @@ def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:
     resolved = config.stage_config(cfg, "extract")
     return artifacts.config_hash({
         "samples": artifacts.sha256_file(samples_path),
-        "target": extraction.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
+        "target": target.target_digest(cfg.model.path, config.stage_dir(cfg, "extract") / TARGET_DIGEST_CACHE),
         **{group: {key: value for key, value in resolved[group].items() if key not in skipped}
            for group, skipped in NOT_IN_SHARD_BYTES.items()},
     })
 
 
-def remove_unplanned(out_dir: Path, plans: list[extraction.ShardPlan]) -> None:
+def remove_unplanned(out_dir: Path, plans: list[shards.ShardPlan]) -> None:
     """Shards beyond the current plan (left by a run with other data) must not linger."""
     planned = {plan.name for plan in plans}
     for path in out_dir.glob("shard-*.safetensors"):
         if path.name not in planned:
             path.unlink(missing_ok=True)  # slices on other hosts remove them too
-            extraction.timing_path(path).unlink(missing_ok=True)
+            shards.timing_path(path).unlink(missing_ok=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +156,8 @@ class Inputs:
     regenerate_dir: Path
     samples: list[list[int]]
     masks: list[list[int]]
-    shape: extraction.TargetShape
-    plans: list[extraction.ShardPlan]
+    shape: target.TargetShape
+    plans: list[shards.ShardPlan]
     fingerprint: str
 
 
@@ -163,64 +165,58 @@ def read_inputs(cfg: DictConfig, replicas: int | None = 1) -> Inputs:
     regenerate_dir = config.stage_dir(cfg, "regenerate")
     regenerate_manifest = artifacts.read_manifest(regenerate_dir)
     samples_path = regenerate_dir / regenerate_manifest["samples"]
-    samples, masks = read_samples(samples_path)
+    samples, masks = formats.read_samples(samples_path)
     lengths = [len(s) for s in samples]
     shape = preflight(cfg, lengths, replicas)
     return Inputs(config.stage_dir(cfg, "extract"), regenerate_dir, samples, masks, shape,
-                  extraction.plan_shards(lengths, int(cfg.extract.shard_tokens)),
+                  shards.plan_shards(lengths, int(cfg.extract.shard_tokens)),
                   shard_fingerprint(cfg, samples_path))
 
 
 def shard_metadata(cfg: DictConfig, inputs: Inputs) -> dict[str, str]:
-    return {
-        "fingerprint": inputs.fingerprint,
-        "aux_layer_ids": str(list(cfg.model.aux_layer_ids)),
-        "slots": "aux layer inputs in aux_layer_ids order, then final post-norm state",
-        "hidden_size": str(inputs.shape.hidden_size),
-    }
+    return formats.shard_metadata(inputs.fingerprint, list(cfg.model.aux_layer_ids),
+                                  inputs.shape.hidden_size)
 
 
-def extract(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
-            overrides: list[str]) -> tuple[list[extraction.ShardPlan], float]:
+def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
+            overrides: list[str]) -> tuple[list[shards.ShardPlan], float]:
     """Make the shards of ``plans`` that are not complete, with one engine in this process
     or ``extract.replicas`` children; return those that were pending and the tokens/s."""
-    pending = extraction.incomplete_shards(plans, inputs.out_dir, inputs.fingerprint)
+    pending = shards.incomplete_shards(plans, inputs.out_dir, inputs.fingerprint)
     num_slots = len(cfg.model.aux_layer_ids) + 1
-    per_token = extraction.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
+    per_token = shards.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
     remaining = sum(p.num_tokens for p in pending)
-    estimate = extraction.check_disk(inputs.out_dir, remaining, per_token, float(cfg.extract.disk_headroom))
+    estimate = shards.check_disk(inputs.out_dir, remaining, per_token, float(cfg.extract.disk_headroom))
     log.info("%d shards planned here, %d to extract (%d tokens, about %.1f MiB)",
              len(plans), len(pending), remaining, estimate / 2**20)
     if not pending:
         return pending, 0.0
     total = sum(p.num_tokens for p in plans)
-    progress = extraction.Progress(total, total - remaining)
-    try:
-        if int(cfg.extract.replicas) > 1:
-            extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
-        else:
-            extract_here(cfg, inputs, plans, progress)
-    finally:
-        progress.close()
+    progress = Progress("extract", total, total - remaining, unit=TOKENS, logger=log)
+    if int(cfg.extract.replicas) > 1:
+        extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
+    else:
+        extract_here(cfg, inputs, plans, progress)
+    progress.finish()
     return pending, progress.tokens_per_second()
 
 
-def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
-                 progress: extraction.Progress) -> None:
+def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
+                 progress: Progress) -> None:
     """One engine in this process over ``plans`` (complete shards are skipped)."""
     platform_environment(cfg)
     generator = make_generator(cfg)
     try:
-        extraction.extract_shards(generator, plans, inputs.samples, inputs.masks, inputs.out_dir,
+        shards.extract_shards(generator, plans, inputs.samples, inputs.masks, inputs.out_dir,
                                   int(cfg.extract.token_budget), cfg.extract.save_dtype,
                                   shard_metadata(cfg, inputs), progress)
     finally:
         generator.shutdown()
 
 
-def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[extraction.ShardPlan],
-                        pending: list[extraction.ShardPlan], overrides: list[str],
-                        progress: extraction.Progress) -> None:
+def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
+                        pending: list[shards.ShardPlan], overrides: list[str],
+                        progress: Progress) -> None:
     """``extract.replicas`` children of this stage, replica r on plans[r::N]; only those with
     pending shards start. Progress counts the shards that appear complete on disk."""
     replicas = int(cfg.extract.replicas)
@@ -235,43 +231,43 @@ def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[extraction.
 
     def poll() -> None:
         for index, plan in list(waiting.items()):
-            if extraction.shard_is_complete(inputs.out_dir / plan.name, plan, inputs.fingerprint):
-                progress.update(plan.num_tokens)
+            if shards.shard_is_complete(inputs.out_dir / plan.name, plan, inputs.fingerprint):
+                progress.advance(plan.num_tokens)
                 del waiting[index]
 
     launch.supervise([sys.executable, "-m", "stages.extract", *overrides], children, poll)
 
 
-def host_plans(cfg: DictConfig, plans: list[extraction.ShardPlan]) -> list[extraction.ShardPlan]:
+def host_plans(cfg: DictConfig, plans: list[shards.ShardPlan]) -> list[shards.ShardPlan]:
     """This host's shards: all of them, or its slice under ``extract.shard=i/N``."""
     if cfg.extract.shard is None:
         return plans
-    return extraction.Part.parse(cfg.extract.shard, "extract.shard").take(plans)
+    return shards.Part.parse(cfg.extract.shard, "extract.shard").take(plans)
 
 
 def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     """The stage: extract what is pending (or, in a sliced run dir, only check the slices'
     shards), then the manifest's fields."""
     out_dir = config.stage_dir(cfg, "extract")
-    num_slices = extraction.read_slices_record(out_dir)
+    num_slices = shards.read_slices_record(out_dir)
     inputs = read_inputs(cfg, None if num_slices else int(cfg.extract.replicas))
     plans = inputs.plans
     remove_unplanned(out_dir, plans)
     if num_slices is None:
         pending, tokens_per_second = extract(cfg, inputs, plans, list(overrides))
     else:
-        missing = extraction.incomplete_shards(plans, out_dir, inputs.fingerprint)
+        missing = shards.incomplete_shards(plans, out_dir, inputs.fingerprint)
         if missing:
-            raise RuntimeError(extraction.finalize_error(missing, len(plans), num_slices, out_dir,
+            raise RuntimeError(shards.finalize_error(missing, len(plans), num_slices, out_dir,
                                                          list(overrides)))
         log.info("finalize: all %d shards of %d slices are complete", len(plans), num_slices)
         pending, tokens_per_second = [], 0.0
 
     lengths = [len(s) for s in inputs.samples]
-    records = extraction.shard_records(plans, out_dir)
+    records = shards.shard_records(plans, out_dir)
     total_bytes = sum(r["bytes"] for r in records)
     num_slots = len(cfg.model.aux_layer_ids) + 1
-    per_token = extraction.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
+    per_token = shards.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
     return {
         "shards": records,
         "num_samples": len(inputs.samples),
@@ -291,12 +287,12 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
 
 def run_slice(cfg: DictConfig, overrides: list[str]) -> None:
     """`make extract SHARD=i/N`: this host's slice into the shared run dir, no manifest."""
-    part = extraction.Part.parse(cfg.extract.shard, "extract.shard")
+    part = shards.Part.parse(cfg.extract.shard, "extract.shard")
     inputs = read_inputs(cfg, int(cfg.extract.replicas))
     remove_unplanned(inputs.out_dir, inputs.plans)
-    extraction.write_slices_record(inputs.out_dir, part.count)
+    shards.write_slices_record(inputs.out_dir, part.count)
     mine = part.take(inputs.plans)
-    if extraction.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint):
+    if shards.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint):
         # A manifest of an earlier run must not outlive shards being replaced under it.
         (inputs.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)
     pending, _ = extract(cfg, inputs, mine, overrides)
@@ -305,19 +301,15 @@ def run_slice(cfg: DictConfig, overrides: list[str]) -> None:
              len(pending), len(mine) - len(pending))
 
 
-def run_replica(cfg: DictConfig, replica: extraction.Part) -> None:
+def run_replica(cfg: DictConfig, replica: shards.Part) -> None:
     """A replica child: its share of this host's shards with one engine, quietly (the parent
     shows progress and writes the manifest)."""
     inputs = read_inputs(cfg)
     mine = replica.take(host_plans(cfg, inputs.plans))
-    pending = extraction.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint)
+    pending = shards.incomplete_shards(mine, inputs.out_dir, inputs.fingerprint)
     log.info("replica %s: %d shards, %d to extract", replica, len(mine), len(pending))
     if pending:
-        progress = extraction.Progress(0, 0, quiet=True)
-        try:
-            extract_here(cfg, inputs, mine, progress)
-        finally:
-            progress.close()
+        extract_here(cfg, inputs, mine, Progress("extract", 0, unit=TOKENS, quiet=True))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -328,14 +320,14 @@ def main(cfg: DictConfig) -> None:
     # Each part's dependency record, named by the part (a replica of a slice by both).
     part_name = "-".join(f"{kind}-{str(value).replace('/', '-of-')}"
                          for kind, value in (("slice", shard), ("replica", replica)) if value)
-    record = extraction.part_deps_path(out_dir, part_name)
+    record = shards.part_deps_path(out_dir, part_name)
     if replica:
-        part = extraction.Part.parse(replica, REPLICA_ENV)
+        part = shards.Part.parse(replica, REPLICA_ENV)
         run_part(f"extract replica {part}", cfg, lambda c: run_replica(c, part), record)
     elif shard is not None:
         run_part(f"extract slice {shard}", cfg, lambda c: run_slice(c, overrides), record)
     else:
-        run_stage("extract", cfg, lambda c: run(c, overrides), lambda: extraction.read_part_deps(out_dir))
+        run_stage("extract", cfg, lambda c: run(c, overrides), lambda: shards.read_part_deps(out_dir))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, preparation
-from draftline.stage import run_stage
+from draftline import prepare
+from draftline.pipeline import artifacts, config
+from draftline.pipeline.stage import run_stage
 
 
 def run(cfg: DictConfig) -> dict:
@@ -17,13 +18,13 @@ def run(cfg: DictConfig) -> dict:
     extract = artifacts.read_manifest(extract_dir)
     rows = []
     for shard_index, shard in enumerate(extract["shards"]):
-        for sample_id, row, length, masked in preparation.validate_shard(
+        for sample_id, row, length, masked in prepare.validate_shard(
                 extract_dir / shard["file"], extract["num_slots"], extract["hidden_size"]):
             rows.append((shard_index, sample_id, row, length, masked))
-    train, validation = preparation.split_rows(
+    train, validation = prepare.split_rows(
         rows, float(cfg.prepare.validation_fraction), int(cfg.seed), int(cfg.prepare.min_validation))
     out_dir = config.stage_dir(cfg, "prepare")
-    preparation.write_index(out_dir / "index.safetensors", train, validation)
+    prepare.write_index(out_dir / "index.safetensors", train, validation)
     dropped = [r[1] for r in rows if r[4] == 0]
     return {
         "index": "index.safetensors",

@@ -4,7 +4,7 @@
 
 ``regenerate.replies``: ``data`` keeps tokenize's samples and vocabulary (the manifest points
 at them, nothing is copied); ``target`` replaces every assistant reply with the target's greedy
-reply through vLLM (draftline/regeneration.py) and recomputes the draft vocabulary from the
+reply through vLLM (draftline/regenerate.py) and recomputes the draft vocabulary from the
 new replies.  Downstream stages read samples and vocabulary from this stage's manifest.
 """
 
@@ -18,9 +18,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, regeneration, remote_code, vocab
-from draftline.samples import read_samples, write_samples
-from draftline.stage import run_stage
+from draftline import regenerate, target
+from draftline.formats import read_samples, write_samples
+from draftline.pipeline import artifacts, config
+from draftline.pipeline.progress import Progress
+from draftline.pipeline.stage import run_stage
+from draftline.tokenize import vocab
 
 log = logging.getLogger("draftline.regenerate")
 MODES = ("data", "target")
@@ -39,18 +42,18 @@ def keep(tokenize_dir: Path, tokenize: dict) -> dict:
     }
 
 
-def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regeneration.VllmReplies:
+def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regenerate.VllmReplies:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.regenerate.cpu_kvcache_gib))
     if cfg.model.mla_disable:
         os.environ["VLLM_MLA_DISABLE"] = "1"
-    return regeneration.VllmReplies(
+    return regenerate.VllmReplies(
         str(cfg.model.path), dtype=str(cfg.model.dtype),
         tensor_parallel_size=int(cfg.model.tensor_parallel_size),
         max_model_len=int(cfg.regenerate.max_model_len), max_num_seqs=int(cfg.regenerate.max_num_seqs),
         max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens),
         gpu_memory_utilization=float(cfg.regenerate.gpu_memory_utilization),
         stop_ids=stop_ids, seed=int(cfg.seed),
-        trust_remote_code=remote_code.check(cfg.model.path, bool(cfg.model.trust_remote_code)),
+        trust_remote_code=target.check(cfg.model.path, bool(cfg.model.trust_remote_code)),
         limit_mm_per_prompt=config.mm_limits(cfg))
 
 
@@ -71,7 +74,7 @@ def run(cfg: DictConfig) -> dict:
     if seq_length >= int(cfg.regenerate.max_model_len):
         raise ValueError(f"regenerate.seq_length={seq_length} must stay below regenerate.max_model_len="
             f"{cfg.regenerate.max_model_len}")
-    stop_ids = regeneration.stop_token_ids(cfg.model.path)
+    stop_ids = regenerate.stop_token_ids(cfg.model.path)
     fingerprint = artifacts.config_hash({
         "tokenize": inputs, "regenerate": config.stage_config(cfg, "regenerate"), "stop_ids": stop_ids})
     chunk_dir = out_dir / "chunks" / fingerprint[:16]
@@ -86,29 +89,29 @@ def run(cfg: DictConfig) -> dict:
     log.info("%d samples in %d chunks, %d to generate (stop ids %s)", len(samples), len(bounds),
              len(pending), stop_ids)
 
-    stats = regeneration.ChunkStats()
+    stats = regenerate.ChunkStats()
     tokens_per_second = 0.0
     if pending:
         engine = make_engine(cfg, stop_ids)
-        progress = regeneration.ChunkProgress(len(samples), len(samples) - sum(
-            bounds[i][1] - bounds[i][0] for i in pending))
+        progress = Progress("regenerate", len(samples), len(samples) - sum(
+            bounds[i][1] - bounds[i][0] for i in pending), unit="samples", logger=log)
         try:
             for i in pending:
                 a, b = bounds[i]
-                ids, new_masks, chunk = regeneration.regenerate(
+                ids, new_masks, chunk = regenerate.regenerate(
                     samples[a:b], masks[a:b], engine, seq_length, cfg.regenerate.max_new_tokens)
                 # The samples file marks the chunk done, so it is written after its stats.
                 artifacts.write_json(paths[i].with_suffix(".json"), chunk.__dict__)
                 write_samples(paths[i], ids, new_masks)
                 stats.add(chunk)
-                progress.update(b - a, chunk.generated_tokens)
+                progress.advance(b - a, tokens=chunk.generated_tokens)
         finally:
-            progress.close()
             engine.shutdown()
+        progress.finish()
         tokens_per_second = progress.tokens_per_second()
-    resumed = regeneration.ChunkStats()
+    resumed = regenerate.ChunkStats()
     for i in set(range(len(bounds))) - set(pending):
-        resumed.add(regeneration.ChunkStats(**artifacts.read_json(paths[i].with_suffix(".json"))))
+        resumed.add(regenerate.ChunkStats(**artifacts.read_json(paths[i].with_suffix(".json"))))
     stats.add(resumed)
 
     new_ids, new_masks = [], []

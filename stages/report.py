@@ -13,22 +13,20 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
-from draftline.stage import run_stage
+from draftline.pipeline import artifacts, config
+from draftline.pipeline.stage import run_stage
 
 UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
 
 def run(cfg: DictConfig) -> dict:
-    from safetensors.torch import load_file
-
-    from draftline import report
+    from draftline import formats, report
 
     manifests = {stage: artifacts.read_manifest(config.stage_dir(cfg, stage)) for stage in UPSTREAM}
     evaluation = {**artifacts.read_json(config.stage_dir(cfg, "evaluate") / manifests["evaluate"]["results"]),
                   "gate": manifests["evaluate"]["gate"]}
     vocab = config.stage_dir(cfg, "regenerate") / manifests["regenerate"]["vocab"]
-    token_freq = load_file(str(vocab))["token_freq"]  # [target_vocab] masked-token counts
+    token_freq = formats.load_token_freq(vocab)  # [target_vocab] masked-token counts
     history, source = report.training_history(manifests["train"], Path(cfg.run_dir) / "logs" / "train.log")
     dpi = int(cfg.report.dpi)
     figures = {
@@ -42,7 +40,7 @@ def run(cfg: DictConfig) -> dict:
         with artifacts.atomic_path(out_dir / figure.name) as tmp:
             tmp.write_bytes(figure.png)
     title = cfg.report.title or f"draftline run {cfg.exp}"
-    # A target trained by draftline.target_training carries its build record.
+    # A target trained by draftline.tiny.trained carries its build record.
     build = Path(manifests["extract"]["target"]) / "build.json"
     target_build = artifacts.read_json(build) if build.exists() else None
     with artifacts.atomic_path(out_dir / "index.html") as tmp:

@@ -19,15 +19,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import artifacts, config
+from draftline.pipeline import artifacts, config
 
 log = logging.getLogger("draftline.serve")
 
 
 def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` argv and the environment it needs, checked before anything starts."""
-    from draftline import serving
-    from draftline.evaluation import num_speculative_tokens
+    from draftline import serve
+    from draftline.evaluate.rollout import num_speculative_tokens
 
     train = artifacts.read_manifest(config.stage_dir(cfg, "train"))
     draft = Path(cfg.serve.draft or train["draft"])
@@ -35,7 +35,7 @@ def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
         raise FileNotFoundError(f"{draft}/config.json missing: no trained draft to serve")
     k = int(cfg.serve.steps or num_speculative_tokens(draft))
     options = config.engine_options(cfg, cfg.serve)
-    command = serving.serve_command(options, draft.absolute(), k, host=str(cfg.serve.host),
+    command = serve.serve_command(options, draft.absolute(), k, host=str(cfg.serve.host),
                                     port=int(cfg.serve.port), extra=list(cfg.serve.extra_args))
     # `vllm serve` through this interpreter: the venv's console script may not be on PATH.
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]

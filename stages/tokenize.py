@@ -15,12 +15,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from draftline import config, vocab
-from draftline.conversations import check_roles
-from draftline.data_sources import open_source
-from draftline.samples import write_flat_samples
-from draftline.stage import run_stage
-from draftline.tokenizing import Budget, default_workers, load_tokenizer, tokenize_source
+from draftline.formats import write_flat_samples
+from draftline.pipeline import config
+from draftline.pipeline.stage import run_stage
+from draftline.tiny import embedded
+from draftline.tokenize import vocab
+from draftline.tokenize.conversations import check_roles
+from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
+from draftline.tokenize.sources import open_source
 
 log = logging.getLogger("draftline.tokenize")
 
@@ -34,7 +36,8 @@ def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "tokenize")
     data, settings = cfg.data, cfg.tokenize
     # Everything that can be wrong with the config is checked before the first record.
-    config.check_data_path(cfg)
+    if data.build:  # the embedded set is read only from its own place, never a user's path
+        embedded.check_data_path(data.path, cfg.assets_dir)
     budget = Budget(settings.max_skipped)
     roles = check_roles(OmegaConf.to_container(data.roles))
     workers = default_workers() if settings.workers is None else int(settings.workers)

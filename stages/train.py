@@ -5,12 +5,14 @@
 
 Aux layer ids come from the extract manifest (what the data was made with), never from
 config, so a draft cannot be trained on features from other layers than its config.json
-names. Resumes from the latest complete checkpoint under <run_dir>/train/runs/<key>/, where
+names. Resumes from the latest complete checkpoint under <run_dir>/train/<key>/, where
 the key hashes the train config (without the launch keys: a run resumes on another number
-of GPUs) and the prepared data.
+of GPUs) and the prepared data. The draft lands in <run_dir>/train/<key>/draft/, and
+<run_dir>/draft is left a relative link to it (the latest run's draft; the manifest's
+``draft`` names the key dir itself, which evaluate and serve read).
 
 With ``train.gpus > 1`` or ``train.nodes > 1`` this process re-launches the stage under
-torchrun (``draftline.launch``) and exits with its status; rank 0 alone writes the stamp,
+torchrun (``draftline.pipeline.launch``) and exits with its status; rank 0 alone writes the stamp,
 checkpoints, the draft and the manifest, so a run where any rank failed leaves no manifest.
 """
 
@@ -24,23 +26,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import artifacts, config, launch
-from draftline.stage import run_stage
+from draftline.pipeline import artifacts, config, launch
+from draftline.pipeline.stage import run_stage
 
 log = logging.getLogger("draftline.train")
-
-
-def pick_device(requested: str, local_rank: int = 0) -> str:
-    """``cuda:<local rank>`` (or cpu) for this process."""
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if not (requested == "cpu" or torch.cuda.is_available()):
-        raise ValueError(f"train.device={requested} but no CUDA GPU")
-    if requested == "cuda":
-        return f"cuda:{local_rank}"
-    return requested
 
 
 def auto_or(value, kind: type):
@@ -73,17 +62,17 @@ def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
 
 
 def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
-    from draftline import training
+    from draftline.train import loop
 
     prepare_dir = config.stage_dir(cfg, "prepare")
     prepared = artifacts.read_manifest(prepare_dir)
     extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    out_dir = config.stage_dir(cfg, "train") / "runs" / run_key(cfg, prepare_dir)
-    device = pick_device(str(cfg.train.device), world.local_rank)
+    out_dir = config.stage_dir(cfg, "train") / run_key(cfg, prepare_dir)
+    device = launch.rank_device(str(cfg.train.device), world)
     if world.distributed:
         launch.init_process_group(device, float(cfg.train.collective_timeout_s))
     try:
-        result = training.train(
+        result = loop.train(
             prepared["shards"], prepare_dir / prepared["index"],
             vocab_path(cfg),
             str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
@@ -112,6 +101,13 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     }
 
 
+def link_draft(cfg: DictConfig) -> Path:
+    """``<run_dir>/draft``: a relative link to the draft the train manifest names, swapped in
+    atomically (written after the manifest, so it never points at a draft of a failed run)."""
+    draft = artifacts.read_manifest(config.stage_dir(cfg, "train"))["draft"]
+    return artifacts.point_link(Path(cfg.run_dir) / "draft", draft)
+
+
 def run_other_rank(cfg: DictConfig, world: launch.World) -> None:
     """A rank other than 0: the same work, no stamp or manifest; a failure exits non-zero
     with its traceback (torchrun then ends the other ranks)."""
@@ -133,6 +129,8 @@ def main(cfg: DictConfig) -> None:
     launch.quiet_other_ranks(world)
     if world.is_main:
         run_stage("train", cfg, lambda c: run(c, world))
+        link = link_draft(cfg)
+        log.info("draft: %s -> %s", link, link.readlink())
     else:
         run_other_rank(cfg, world)
 

@@ -18,3 +18,12 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def compose(exp: str = "tiny", *overrides: str):
+    """The project's real config for ``exp`` plus free overrides: the tree a stage's
+    @hydra.main gets for `make <stage> EXP=exp OVERRIDES="..."`."""
+    from draftline.pipeline import config
+
+    return config.compose(config.experiment_overrides(exp, list(overrides)))
+

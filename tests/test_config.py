@@ -4,14 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from draftline import artifacts, config
+from draftline.pipeline import artifacts, config
+
+from conftest import compose
 
 EXPERIMENTS = sorted(p.stem for p in (config.CONF_DIR / "experiment").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes(exp):
-    cfg = config.compose(config.experiment_overrides(exp, ["model.path=/models/x", "data.path=/data/x"]))
+    cfg = compose(exp, "model.path=/models/x", "data.path=/data/x")
     assert cfg.exp == exp and cfg.run_dir == f"runs/{exp}"
     for stage in config.STAGES:
         resolved = config.stage_config(cfg, stage)
@@ -21,7 +23,7 @@ def test_every_experiment_composes(exp):
 
 
 def test_kimi_uses_vllm_default_layer_ids():
-    cfg = config.compose(config.experiment_overrides("kimi-k2.5", ["model.path=/m", "data.path=/d"]))
+    cfg = compose("kimi-k2.5", "model.path=/m", "data.path=/d")
     n = cfg.model.num_layers
     assert n == 61 and list(cfg.model.aux_layer_ids) == [2, n // 2, n - 3]
 
@@ -32,8 +34,8 @@ def test_unknown_experiment_is_named():
 
 
 def test_a_train_key_changes_only_the_train_stamp():
-    base = config.compose(config.experiment_overrides("tiny", []))
-    changed = config.compose(config.experiment_overrides("tiny", ["train.lr=1e-3"]))
+    base = compose("tiny")
+    changed = compose("tiny", "train.lr=1e-3")
     differs = [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)]
     assert differs == ["train"]
 
@@ -41,15 +43,15 @@ def test_a_train_key_changes_only_the_train_stamp():
 @pytest.mark.parametrize("launch_key", ["extract.replicas=8", "extract.shard=1/4"])
 def test_extract_launch_keys_change_no_stamp(launch_key):
     """Replicas and slices make the same shards: no stage (extract included) goes stale."""
-    base = config.compose(config.experiment_overrides("tiny", []))
-    changed = config.compose(config.experiment_overrides("tiny", [launch_key]))
+    base = compose("tiny")
+    changed = compose("tiny", launch_key)
     assert [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)] == []
     assert "replicas" not in config.stage_config(base, "extract")["extract"]
 
 
 def test_aux_layer_ids_do_not_make_regenerated_replies_stale():
-    base = config.compose(config.experiment_overrides("tiny-trained", []))
-    changed = config.compose(config.experiment_overrides("tiny-trained", ["model.aux_layer_ids=[0,1,2]"]))
+    base = compose("tiny-trained")
+    changed = compose("tiny-trained", "model.aux_layer_ids=[0,1,2]")
     differs = [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(changed, s)]
     assert "regenerate" not in differs and "extract" in differs
 
@@ -66,9 +68,9 @@ def test_stamp_is_rewritten_only_when_it_changes(tmp_path: Path):
 def test_launch_keys_change_no_stamp_and_are_recorded_apart():
     """GPUS=1 -> GPUS=8 (train.gpus) says where the draft trains, not what it learns: no stage's
     stamp moves, so `make` retrains nothing; the values are still at hand for the manifest."""
-    base = config.compose(config.experiment_overrides("tiny", []))
-    launched = config.compose(config.experiment_overrides(
-        "tiny", ["train.gpus=8", "train.nodes=2", "train.rendezvous=host:29500", "train.collective_timeout_s=60"]))
+    base = compose("tiny")
+    launched = compose("tiny", "train.gpus=8", "train.nodes=2", "train.rendezvous=host:29500",
+                       "train.collective_timeout_s=60")
     assert [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(launched, s)] == []
     assert "gpus" not in config.stage_config(launched, "train")["train"]
     assert config.launch_config(launched, "train") == {"train": {

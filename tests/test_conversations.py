@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.conversations import (
+from draftline.tokenize.conversations import (
     DataError,
     Skipped,
     load_conversations,

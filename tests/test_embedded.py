@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from draftline import embedded, tiny
-from draftline.conversations import load_conversations
+from draftline.tiny import embedded, targets
+from draftline.tokenize.conversations import load_conversations
 
-# Pinned here as well as in draftline/embedded.py: changing the data needs both edits.
+# Pinned here as well as in draftline/tiny/embedded.py: changing the data needs both edits.
 CONVERSATIONS_SHA256 = "4877a1fcd7dc62a65b134175ccb2983f3e8497ca985de2e54b3ace6b8bfdfecb"
 TOKENIZER_CORPUS_SHA256 = "5315f55f28e6a21110b18c6d3c6fdbf362a1e080e6ef1a8b5cd1b136ca2e2155"
 
@@ -87,7 +87,7 @@ def test_an_edited_committed_file_is_refused(tmp_path, monkeypatch):
 
 
 def test_tiny_tokenizer_trains_on_the_committed_corpus():
-    corpus = tiny.default_corpus()
+    corpus = targets.default_corpus()
     assert corpus == embedded.tokenizer_corpus() and len(corpus) > 400
     assert all(isinstance(doc, str) and doc for doc in corpus)
 

@@ -22,9 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline import evaluation as ev
-from draftline import regeneration
+from draftline import formats, regenerate
+from draftline.evaluate import in_vllm, offline, rollout, stats
 from stages.evaluate import GateFailed, apply_gate, check_features
+from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "tests/assets/tau_gate.json"
@@ -33,9 +34,9 @@ GATE = REPO / "tests/assets/tau_gate.json"
 # --------------------------------------------------------------------------- synthetic data
 
 
-def sample(ids: list[int], mask: list[int], target_next: list[int], hidden: int = 4) -> ev.Sample:
+def sample(ids: list[int], mask: list[int], target_next: list[int], hidden: int = 4) -> offline.Sample:
     T = len(ids)
-    return ev.Sample(torch.tensor(ids), torch.tensor(mask, dtype=torch.bool),
+    return offline.Sample(torch.tensor(ids), torch.tensor(mask, dtype=torch.bool),
                      torch.zeros(T, 3 * hidden), torch.tensor(target_next))
 
 
@@ -47,7 +48,7 @@ class Oracle:
     def __init__(self, shift: int = 0):
         self.shift = shift
 
-    def propose(self, s: ev.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
+    def propose(self, s: offline.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
         offsets = starts[:, None] + 1 + self.shift + torch.arange(k)[None, :]  # [S, k]
         offsets = offsets.clamp(max=len(s.input_ids) - 1)
         return s.target_next[offsets]
@@ -56,32 +57,52 @@ class Oracle:
 def test_scored_starts_lie_inside_replies():
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
     # k=2: start t needs mask[t+1..t+3]; reply 2..6 gives t=1,2,3; reply 8..11 gives t=7,8.
-    assert ev.valid_starts(mask, 2).tolist() == [1, 2, 3, 7, 8]
-    assert ev.reply_starts(mask) == [2, 8]
+    assert offline.valid_starts(mask, 2).tolist() == [1, 2, 3, 7, 8]
+    assert offline.reply_starts(mask) == [2, 8]
 
 
 def test_walk_moves_on_by_accepted_plus_one():
     mask = torch.tensor([0] + [1] * 12, dtype=torch.bool)
-    starts = ev.valid_starts(mask, 2)  # t = 0 .. 9
+    starts = offline.valid_starts(mask, 2)  # t = 0 .. 9
     accepted = torch.tensor([2, 0, 0, 1, 0, 0, 0, 0, 0, 0])
     # t=0 (a=2) -> t=3 (a=1) -> t=5 (a=0) -> t=6 -> ... -> t=9 -> t=10 is not scored.
-    assert starts[ev.walk(mask, starts, accepted)].tolist() == [0, 3, 5, 6, 7, 8, 9]
+    assert starts[offline.walk(mask, starts, accepted)].tolist() == [0, 3, 5, 6, 7, 8, 9]
+
+
+def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
+    """A held-out reply is scored over its own window [a, b), whatever else the sample masks
+    (another turn's reply): vLLM decodes that one reply, so the walk must take its steps only."""
+    replies, k = flaky_replies(), 3
+    steps = offline_steps(replies, k)
+    widened = [(dataclasses.replace(s, loss_mask=torch.ones_like(s.loss_mask)), a, b) for s, a, b in replies]
+    result = in_vllm.vllm_vs_offline(widened, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    assert result["agrees"] and result["diverging_replies"] == 0
+    assert result["shared_steps"] == sum(len(s) for s in steps)
+
+
+def test_empty_walks_and_proposals_stay_integer_tensors():
+    nothing = offline.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
+    assert nothing.tolist() == [] and nothing.dtype == torch.long
+    assert stats.Counts.from_lengths([], 3).at_least.dtype == torch.long
+    bigram = offline.baseline_drafts(torch.tensor([0, 3, 1]), torch.ones(3, 3, dtype=torch.long))[1]
+    none = bigram.propose(sample([0, 1, 2], [1, 1, 1], [1, 2, 0]), torch.tensor([0, 1]), 0)
+    assert none.shape == (2, 0) and none.dtype == torch.long
 
 
 def test_truth_is_the_greedy_token_of_each_proposed_position():
     # target_next[t] is the target's token for position t + 1; from start t the chain proposes
     # positions t+2 .. t+k+1, so its truth is target_next[t+1 .. t+k].
     s = sample(list(range(10)), [1] * 10, [100 + t for t in range(10)])
-    assert ev.truth_for(s, torch.tensor([0, 3]), 3).tolist() == [[101, 102, 103], [104, 105, 106]]
+    assert offline.truth_for(s, torch.tensor([0, 3]), 3).tolist() == [[101, 102, 103], [104, 105, 106]]
 
 
 def test_a_perfect_draft_gets_k_plus_one_and_an_off_by_one_draft_nothing():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (40,), generator=g).tolist()
     s = sample(ids, [0] * 5 + [1] * 35, torch.randint(0, 50, (40,), generator=g).tolist())
-    perfect = ev.evaluate_offline([Oracle(0)], [s], 3, resamples=50, level=0.95, seed=0)["oracle"]
+    perfect = offline.evaluate_offline([Oracle(0)], [s], 3, resamples=50, level=0.95, seed=0)["oracle"]
     assert perfect["tau"] == 4.0 and perfect["acceptance"] == [1.0, 1.0, 1.0]
-    shifted = ev.evaluate_offline([Oracle(1)], [s], 3, resamples=50, level=0.95, seed=0)["oracle"]
+    shifted = offline.evaluate_offline([Oracle(1)], [s], 3, resamples=50, level=0.95, seed=0)["oracle"]
     assert shifted["tau"] < 1.2
 
 
@@ -89,19 +110,19 @@ def test_on_policy_depth_counts_where_the_data_follows_the_greedy_path():
     # data x_{t+1} == target_next[t] everywhere except where the data continues with 99.
     ids = [0, 1, 2, 99, 4, 5, 6, 7]
     s = sample(ids, [1] * 8, [1, 2, 3, 4, 5, 6, 7, 8])
-    assert ev.on_policy_depth(s, torch.tensor([0, 1, 3]), 3).tolist() == [2, 1, 3]
+    assert offline.on_policy_depth(s, torch.tensor([0, 1, 3]), 3).tolist() == [2, 1, 3]
 
 
 def test_summary_and_bootstrap():
     lengths = [torch.tensor([0, 1, 3]), torch.tensor([2, 2])]
-    counts = ev.Counts.from_lengths(lengths, 3)
-    summary = ev.summarize(counts.at_least.sum(0))
+    counts = stats.Counts.from_lengths(lengths, 3)
+    summary = stats.summarize(counts.at_least.sum(0))
     assert summary["tau"] == pytest.approx(1 + 8 / 5)
     assert summary["acceptance"] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
     assert summary["accepted_histogram"] == [1, 1, 2, 1]
-    boot = ev.bootstrap(counts, 200, 0.95, seed=0)
+    boot = stats.bootstrap(counts, 200, 0.95, seed=0)
     assert boot["tau_ci"][0] <= boot["tau"] <= boot["tau_ci"][1]
-    same = ev.paired_difference(counts, counts, "tau", 200, 0.95, 0)
+    same = stats.paired_difference(counts, counts, "tau", 200, 0.95, 0)
     assert same["agrees"] and same["difference"] == 0
 
 
@@ -116,7 +137,7 @@ def quantile(values: list[float], q: float) -> float:
 
 def reference_bootstrap(rows: list[list[int]], resamples: int, level: float, seed: int):
     """The percentile bootstrap written out in plain Python over the same resample draws
-    (torch's generator picks the rows; everything after is independent of evaluation.py)."""
+    (torch's generator picks the rows; everything after is independent of draftline/evaluate/)."""
     n = len(rows)
     picks = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed)).tolist()
     taus, conditional = [], []
@@ -143,20 +164,20 @@ def random_lengths(samples: int, k: int, seed: int, skill: float) -> list[torch.
 
 
 def test_bootstrap_cis_equal_a_plain_python_reference():
-    counts = ev.Counts.from_lengths(random_lengths(40, 3, seed=1, skill=0.6), 3)
-    boot = ev.bootstrap(counts, 300, 0.9, seed=5)
+    counts = stats.Counts.from_lengths(random_lengths(40, 3, seed=1, skill=0.6), 3)
+    boot = stats.bootstrap(counts, 300, 0.9, seed=5)
     tau_ci, acceptance_ci = reference_bootstrap(counts.at_least.tolist(), 300, 0.9, 5)
     assert boot["tau_ci"] == pytest.approx(tau_ci, abs=1e-12)
     assert torch.tensor(boot["acceptance_ci"]).sub(torch.tensor(acceptance_ci)).abs().max() < 1e-12
-    assert boot["samples"] == 40 and boot["tau"] == ev.summarize(counts.at_least.sum(0))["tau"]
+    assert boot["samples"] == 40 and boot["tau"] == stats.summarize(counts.at_least.sum(0))["tau"]
     # A narrower level gives a narrower interval around the point estimate.
-    narrow = ev.bootstrap(counts, 300, 0.5, seed=5)
+    narrow = stats.bootstrap(counts, 300, 0.5, seed=5)
     assert boot["tau_ci"][0] < narrow["tau_ci"][0] < narrow["tau"] < narrow["tau_ci"][1] < boot["tau_ci"][1]
 
 
 def test_identical_samples_give_a_ci_of_width_zero():
-    counts = ev.Counts.from_lengths([torch.tensor([1, 2, 0])] * 10, 3)
-    boot = ev.bootstrap(counts, 100, 0.95, seed=0)
+    counts = stats.Counts.from_lengths([torch.tensor([1, 2, 0])] * 10, 3)
+    boot = stats.bootstrap(counts, 100, 0.95, seed=0)
     assert boot["tau_ci"] == pytest.approx([2.0, 2.0]) and boot["tau"] == pytest.approx(2.0)
     assert torch.allclose(torch.tensor(boot["acceptance_ci"], dtype=torch.double),
                           torch.tensor([[2 / 3, 2 / 3], [0.5, 0.5], [0.0, 0.0]], dtype=torch.double))
@@ -167,32 +188,58 @@ def test_a_paired_difference_with_a_known_gap_excludes_zero():
     the share of such steps, and the paired CI lies strictly above 0."""
     good = random_lengths(30, 3, seed=2, skill=0.7)
     worse = [(a - 1).clamp(min=0) for a in good]
-    a, b = ev.Counts.from_lengths(good, 3), ev.Counts.from_lengths(worse, 3)
+    a, b = stats.Counts.from_lengths(good, 3), stats.Counts.from_lengths(worse, 3)
     steps = sum(len(x) for x in good)
     share = sum(int((x > 0).sum()) for x in good) / steps
-    result = ev.paired_difference(a, b, "tau", 300, 0.95, seed=0)
+    result = stats.paired_difference(a, b, "tau", 300, 0.95, seed=0)
     assert result["difference"] == pytest.approx(share)
     assert 0 < result["ci"][0] <= share <= result["ci"][1] and not result["agrees"]
-    reverse = ev.paired_difference(b, a, "tau", 300, 0.95, seed=0)
+    reverse = stats.paired_difference(b, a, "tau", 300, 0.95, seed=0)
     assert reverse["difference"] == pytest.approx(-share) and reverse["ci"][1] < 0 and not reverse["agrees"]
-    first = ev.paired_difference(a, b, "p1", 300, 0.95, seed=0)
+    first = stats.paired_difference(a, b, "p1", 300, 0.95, seed=0)
     assert first["statistic"] == "p1" and first["difference"] == pytest.approx(
-        ev.summarize(a.at_least.sum(0))["acceptance"][0] - ev.summarize(b.at_least.sum(0))["acceptance"][0])
+        stats.summarize(a.at_least.sum(0))["acceptance"][0] - stats.summarize(b.at_least.sum(0))["acceptance"][0])
     assert not first["agrees"]
-    same = ev.paired_difference(a, a, "tau", 300, 0.95, seed=0)
+    same = stats.paired_difference(a, a, "tau", 300, 0.95, seed=0)
     assert same["difference"] == 0 and same["ci"] == [0, 0] and same["agrees"]
     with pytest.raises(ValueError, match="same units"):
-        ev.paired_difference(a, ev.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
+        stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
+
+
+def test_paired_ci_bounds_equal_a_plain_python_reference():
+    good = random_lengths(25, 3, seed=6, skill=0.6)
+    a = stats.Counts.from_lengths(good, 3)
+    b = stats.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    result = stats.paired_difference(a, b, "tau", 300, 0.9, 1)
+    picks = torch.randint(0, 25, (300, 25), generator=torch.Generator().manual_seed(1))
+    diffs = [float(stats._statistic(a.at_least[p].sum(0).double(), "tau")
+                   - stats._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
+    assert result["ci"] == pytest.approx([quantile(diffs, 0.05), quantile(diffs, 0.95)], abs=1e-12)
+    with pytest.raises(ValueError, match="^paired counts need the same units$"):
+        stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
 
 
 def test_counts_and_summary_of_known_lengths():
-    counts = ev.Counts.from_lengths([torch.tensor([3, 3]), torch.tensor([0])], 3)
+    counts = stats.Counts.from_lengths([torch.tensor([3, 3]), torch.tensor([0])], 3)
     assert counts.at_least.tolist() == [[2, 2, 2, 2], [1, 0, 0, 0]]
-    summary = ev.summarize(counts.at_least.sum(0))
+    summary = stats.summarize(counts.at_least.sum(0))
     assert summary["tau"] == pytest.approx(1 + 6 / 3) and summary["steps"] == 3
     assert summary["acceptance"] == pytest.approx([2 / 3, 1.0, 1.0])
     assert summary["accepted_histogram"] == [1, 0, 0, 2]
-    assert ev.Counts.from_lengths([], 2).at_least.shape == (0, 3)
+    assert stats.Counts.from_lengths([], 2).at_least.shape == (0, 3)
+
+
+def test_per_position_rates_of_a_single_verification_step():
+    """One verification step: each per-position rate is 0 or 1, that step's verdict (the
+    step count is floored only against zero steps)."""
+    k = 3
+    s = sample([7, 1, 2, 3, 4], [0, 1, 1, 1, 1], [1, 2, 3, 4, 5])
+    replies = offline.held_out_replies([s])
+    steps = offline_steps(replies, k)
+    assert len(steps) == 1 and len(steps[0]) == 1 and steps[0][0] > 0, steps
+    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    expected = [float(steps[0][0] >= j) for j in range(1, k + 1)]
+    assert result["vllm_unconditional"] == expected and result["offline_unconditional"] == expected
 
 
 class Flaky:
@@ -201,7 +248,7 @@ class Flaky:
 
     name = "flaky"
 
-    def propose(self, s: ev.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
+    def propose(self, s: offline.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
         proposals = Oracle(0).propose(s, starts, k)
         wrong_at = (starts * 7 + int(s.input_ids[0])) % 5
         rows = (wrong_at < k).nonzero().flatten()
@@ -209,14 +256,14 @@ class Flaky:
         return proposals
 
 
-def flaky_replies(n: int = 8) -> list[tuple[ev.Sample, int, int]]:
+def flaky_replies(n: int = 8) -> list[tuple[offline.Sample, int, int]]:
     g = torch.Generator().manual_seed(3)
     samples = []
     for i in range(n):
         target = torch.randint(0, 50, (24,), generator=g).tolist()
         ids = [i] + target[:-1]  # the data follows the target's greedy path: its own replies
         samples.append(sample(ids, [0, 0, 0] + [1] * 21, target))
-    return ev.held_out_replies(samples)
+    return offline.held_out_replies(samples)
 
 
 def as_vllm_measures(replies, accepted_per_reply) -> list[dict]:
@@ -230,7 +277,7 @@ def offline_steps(replies, k: int) -> list[list[int]]:
     for s, a, b in replies:
         mask = torch.zeros_like(s.loss_mask)
         mask[a:b] = True
-        sim = ev.simulate(Flaky(), [dataclasses.replace(s, loss_mask=mask)], k)[0]
+        sim = offline.simulate(Flaky(), [dataclasses.replace(s, loss_mask=mask)], k)[0]
         steps.append(sim.accepted[sim.steps].tolist())
     return steps
 
@@ -239,7 +286,7 @@ def test_vllm_and_offline_agree_when_vllm_takes_the_walks_steps():
     replies, k = flaky_replies(), 3
     steps = offline_steps(replies, k)
     assert {a for s in steps for a in s} == set(range(k + 1))  # steps of every accepted length
-    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
+    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
     assert result["replies"] == 8 and result["text_mismatches"] == 0 and result["diverging_replies"] == 0
     assert result["shared_steps"] == sum(len(s) for s in steps)
     assert result["paired_difference"]["difference"] == 0 and result["paired_difference"]["agrees"]
@@ -253,7 +300,7 @@ def test_vllm_and_offline_disagree_when_vllm_accepts_what_the_walk_rejects():
     replies, k = flaky_replies(), 3
     steps = offline_steps(replies, k)
     optimistic = [[k] * len(s) for s in steps]
-    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, optimistic), Flaky(), k, STATS)
+    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, optimistic), Flaky(), k, STATS)
     assert not result["agrees"] and not result["paired_difference"]["agrees"]
     assert result["paired_difference"]["difference"] > 0 and result["paired_difference"]["ci"][0] > 0
     assert result["diverging_replies"] == sum(1 for s in steps if min(s) < k)
@@ -268,41 +315,41 @@ def test_text_vllm_decoded_otherwise_is_counted_and_located():
     measured = as_vllm_measures(replies, offline_steps(replies, k))
     measured[2]["tokens"] = measured[2]["tokens"][:5] + [99] + measured[2]["tokens"][6:]
     measured[5]["tokens"] = measured[5]["tokens"][:-2]
-    result = ev.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
+    result = in_vllm.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
     assert result["text_mismatches"] == 2
     assert result["mismatched"][0] == {"reply": 2, "position": 5, "stored": replies[2][0].input_ids[8].item(),
                                        "vllm": 99, "stored_length": 21, "vllm_length": 21}
     assert result["mismatched"][1] == {"reply": 5, "position": 19, "stored": replies[5][0].input_ids[22].item(),
                                        "vllm": None, "stored_length": 21, "vllm_length": 19}
     with pytest.raises(ValueError, match="7 vLLM decodes for 8 replies"):
-        ev.vllm_vs_offline(replies, measured[:7], Flaky(), k, STATS)
+        in_vllm.vllm_vs_offline(replies, measured[:7], Flaky(), k, STATS)
 
 
 def test_on_policy_fraction_counts_reached_positions_scored_on_the_greedy_context():
-    sim = ev.Simulation(starts=torch.arange(4), accepted=torch.tensor([3, 0, 1, 2]),
+    sim = offline.Simulation(starts=torch.arange(4), accepted=torch.tensor([3, 0, 1, 2]),
                         depth=torch.tensor([3, 1, 2, 1]), steps=torch.tensor([0, 1, 2, 3]))
     # j=1: every step, all at depth >= 1; j=2: steps accepting >= 1 (0, 2, 3), depth >= 2 at 0 and 2;
     # j=3: steps accepting >= 2 (0, 3), depth 3 only at 0.
-    assert ev.on_policy_summary([sim], 3)["fraction_by_position"] == pytest.approx([1.0, 2 / 3, 0.5])
+    assert offline.on_policy_summary([sim], 3)["fraction_by_position"] == pytest.approx([1.0, 2 / 3, 0.5])
     walked = dataclasses.replace(sim, steps=torch.tensor([1, 2]))
-    fractions = ev.on_policy_summary([walked], 3)["fraction_by_position"]
+    fractions = offline.on_policy_summary([walked], 3)["fraction_by_position"]
     assert fractions[:2] == pytest.approx([1.0, 1.0]) and math.isnan(fractions[2])  # nothing reached 3
-    assert ev.on_policy_summary([sim, walked], 3)["fraction_by_position"] == pytest.approx([1.0, 3 / 4, 0.5])
+    assert offline.on_policy_summary([sim, walked], 3)["fraction_by_position"] == pytest.approx([1.0, 3 / 4, 0.5])
 
 
 def test_offline_results_walk_steps_and_every_start_per_proposer():
     replies, k = flaky_replies(), 3
     samples = [s for s, _, _ in replies]
-    results = ev.evaluate_offline([Flaky(), Oracle(0)], samples, k, **STATS)
+    results = offline.evaluate_offline([Flaky(), Oracle(0)], samples, k, **STATS)
     assert list(results) == ["flaky", "oracle"]
-    sims = ev.simulate(Flaky(), samples, k)
-    walked = ev.bootstrap(ev.Counts.from_lengths([s.accepted[s.steps] for s in sims], k), **STATS)
-    every = ev.bootstrap(ev.Counts.from_lengths([s.accepted for s in sims], k), **STATS)
+    sims = offline.simulate(Flaky(), samples, k)
+    walked = stats.bootstrap(stats.Counts.from_lengths([s.accepted[s.steps] for s in sims], k), **STATS)
+    every = stats.bootstrap(stats.Counts.from_lengths([s.accepted for s in sims], k), **STATS)
     flaky = results["flaky"]
     assert {key: flaky[key] for key in walked} == walked
     assert flaky["per_start"] == {key: every[key] for key in ("tau", "tau_ci", "acceptance", "steps")}
     assert flaky["per_start"]["steps"] == sum(len(s.starts) for s in sims) > flaky["steps"]
-    assert flaky["on_policy"] == ev.on_policy_summary(sims, k)
+    assert flaky["on_policy"] == offline.on_policy_summary(sims, k)
     assert results["oracle"]["tau"] == k + 1 and results["oracle"]["on_policy"]["fraction_by_position"] == [1.0] * k
 
 
@@ -311,12 +358,12 @@ def test_the_verdict_needs_every_part_and_holds_at_the_ci_bounds():
     steps = offline_steps(replies, k)
     # Identical replies: every CI has width 0, and vLLM's numbers sit exactly on its bounds.
     same = [replies[2]] * 6
-    exact = ev.vllm_vs_offline(same, as_vllm_measures(same, [steps[2]] * 6), Flaky(), k, STATS)
+    exact = in_vllm.vllm_vs_offline(same, as_vllm_measures(same, [steps[2]] * 6), Flaky(), k, STATS)
     assert exact["offline"]["tau_ci"][0] == exact["offline"]["tau_ci"][1] == exact["vllm"]["tau"]
     assert exact["vllm_tau_inside_offline_ci"] and all(exact["vllm_acceptance_inside_offline_ci"])
     assert exact["agrees"]
     # vLLM's own extra steps (past the walk) outside the CI: the shared steps agree, the whole does not.
-    extra = ev.vllm_vs_offline(replies, as_vllm_measures(replies, [s + [0, 0, 0] for s in steps]),
+    extra = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, [s + [0, 0, 0] for s in steps]),
                                Flaky(), k, STATS)
     assert extra["paired_difference"]["agrees"] and extra["shared_steps"] == sum(map(len, steps))
     assert not extra["vllm_tau_inside_offline_ci"] and not extra["agrees"]
@@ -327,7 +374,7 @@ def test_the_verdict_needs_every_part_and_holds_at_the_ci_bounds():
     for s in fewer[::2]:
         j = next(j for j, a in enumerate(s) if a in (1, 2))
         s[j] -= 1
-    slight = ev.vllm_vs_offline(replies, as_vllm_measures(replies, fewer), Flaky(), k, STATS)
+    slight = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, fewer), Flaky(), k, STATS)
     assert slight["vllm_tau_inside_offline_ci"] and not slight["vllm_acceptance_inside_offline_ci"][0]
     assert not slight["paired_difference"]["agrees"] and not slight["agrees"]
 
@@ -336,7 +383,7 @@ def test_every_number_of_the_verdict_has_its_value():
     replies, k = flaky_replies(), 3
     steps = offline_steps(replies, k)
     measured = as_vllm_measures(replies, [s + [1] for s in steps])  # one step past the walk per reply
-    result = ev.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
+    result = in_vllm.vllm_vs_offline(replies, measured, Flaky(), k, STATS)
     flat = [a for s in steps for a in s]
     walked = len(flat)
     assert result["offline"]["steps"] == walked and result["vllm"]["steps"] == walked + 8
@@ -346,63 +393,63 @@ def test_every_number_of_the_verdict_has_its_value():
     assert [p["statistic"] for p in result["paired_by_position"]] == ["p1", "p2", "p3"]
     assert all(p["difference"] == 0 and p["agrees"] for p in result["paired_by_position"])
     wrong = as_vllm_measures(replies, [[k] * (len(s) + 1) for s in steps])
-    diverged = ev.vllm_vs_offline(replies, wrong, Flaky(), k, STATS)
+    diverged = in_vllm.vllm_vs_offline(replies, wrong, Flaky(), k, STATS)
     first = diverged["divergences"][0]
     assert first["of_steps"] == len(steps[first["reply"]])
     assert set(first) == {"reply", "step", "of_steps", "vllm_accepted", "offline_accepted"}
 
 
 def test_first_difference_past_either_end():
-    assert ev.first_difference([1, 2, 3], [1, 2, 3]) == {}
-    assert ev.first_difference([1, 2], [1, 2, 7]) == {"position": 2, "stored": None, "vllm": 7,
+    assert in_vllm.first_difference([1, 2, 3], [1, 2, 3]) == {}
+    assert in_vllm.first_difference([1, 2], [1, 2, 7]) == {"position": 2, "stored": None, "vllm": 7,
                                                         "stored_length": 2, "vllm_length": 3}
-    assert ev.first_difference([1, 2, 3], [1]) == {"position": 1, "stored": 2, "vllm": None,
+    assert in_vllm.first_difference([1, 2, 3], [1]) == {"position": 1, "stored": 2, "vllm": None,
                                                      "stored_length": 3, "vllm_length": 1}
 
 
 def test_statistics_with_single_steps_and_no_steps():
-    one = ev.Counts.from_lengths([torch.tensor([2])], 3)  # one step, 2 accepted
-    assert ev.summarize(one.at_least.sum(0))["tau"] == 3.0
-    assert ev.summarize(torch.zeros(4, dtype=torch.long))["tau"] == 1.0
-    nothing = ev.summarize(ev.Counts.from_lengths([torch.tensor([0])], 3).at_least.sum(0))["acceptance"]
+    one = stats.Counts.from_lengths([torch.tensor([2])], 3)  # one step, 2 accepted
+    assert stats.summarize(one.at_least.sum(0))["tau"] == 3.0
+    assert stats.summarize(torch.zeros(4, dtype=torch.long))["tau"] == 1.0
+    nothing = stats.summarize(stats.Counts.from_lengths([torch.tensor([0])], 3).at_least.sum(0))["acceptance"]
     assert nothing[0] == 0.0 and math.isnan(nothing[1]) and math.isnan(nothing[2])
-    assert ev.paired_difference(one, ev.Counts.from_lengths([torch.tensor([0])], 3), "tau", 20, 0.9, 0)[
+    assert stats.paired_difference(one, stats.Counts.from_lengths([torch.tensor([0])], 3), "tau", 20, 0.9, 0)[
         "difference"] == 2.0
-    assert ev.paired_difference(one, ev.Counts.from_lengths([torch.tensor([0])], 3), "p1", 20, 0.9, 0)[
+    assert stats.paired_difference(one, stats.Counts.from_lengths([torch.tensor([0])], 3), "p1", 20, 0.9, 0)[
         "difference"] == 1.0
-    boot = ev.bootstrap(one, 20, 0.9, 0)
+    boot = stats.bootstrap(one, 20, 0.9, 0)
     assert boot["tau_ci"] == [3.0, 3.0] and boot["acceptance_ci"][1] == [1.0, 1.0]
 
 
 def test_paired_cis_follow_the_level_and_resample_all_units():
     good = random_lengths(30, 3, seed=4, skill=0.7)
-    a = ev.Counts.from_lengths(good, 3)
-    b = ev.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
-    wide, narrow = (ev.paired_difference(a, b, "tau", 400, level, 0)["ci"] for level in (0.95, 0.5))
+    a = stats.Counts.from_lengths(good, 3)
+    b = stats.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    wide, narrow = (stats.paired_difference(a, b, "tau", 400, level, 0)["ci"] for level in (0.95, 0.5))
     assert wide[0] < narrow[0] < narrow[1] < wide[1]
     # The same draws as a plain computation over every unit (index 0 included).
     picks = torch.randint(0, 30, (400, 30), generator=torch.Generator().manual_seed(0))
-    diffs = [float(ev._statistic(a.at_least[p].sum(0).double(), "tau")
-                   - ev._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
+    diffs = [float(stats._statistic(a.at_least[p].sum(0).double(), "tau")
+                   - stats._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
     assert wide[0] == pytest.approx(quantile(diffs, 0.025), abs=1e-12)
 
 
 def test_valid_starts_of_short_samples_and_step_lengths_per_row():
-    assert ev.valid_starts(torch.ones(4, dtype=torch.bool), 3).tolist() == []
-    assert ev.valid_starts(torch.ones(5, dtype=torch.bool), 3).tolist() == [0]
-    assert ev.valid_starts(torch.ones(5, dtype=torch.bool), 3).dtype == torch.long
-    assert ev.valid_starts(torch.ones(2, dtype=torch.bool), 3).dtype == torch.long
+    assert offline.valid_starts(torch.ones(4, dtype=torch.bool), 3).tolist() == []
+    assert offline.valid_starts(torch.ones(5, dtype=torch.bool), 3).tolist() == [0]
+    assert offline.valid_starts(torch.ones(5, dtype=torch.bool), 3).dtype == torch.long
+    assert offline.valid_starts(torch.ones(2, dtype=torch.bool), 3).dtype == torch.long
     proposals = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3]])
-    assert ev.accepted_lengths(proposals, torch.tensor([[1, 2, 3]] * 3)).tolist() == [3, 1, 0]
-    assert ev.accepted_lengths(proposals[:1], torch.tensor([[1, 2, 4]])).tolist() == [2]
+    assert offline.accepted_lengths(proposals, torch.tensor([[1, 2, 3]] * 3)).tolist() == [3, 1, 0]
+    assert offline.accepted_lengths(proposals[:1], torch.tensor([[1, 2, 4]])).tolist() == [2]
 
 
 def test_on_policy_depth_for_one_and_two_draft_tokens():
     s = sample([0, 1, 2, 99, 4, 5], [1] * 6, [1, 2, 3, 4, 5, 6])
-    one = ev.on_policy_depth(s, torch.tensor([0, 1, 2]), 1)
+    one = offline.on_policy_depth(s, torch.tensor([0, 1, 2]), 1)
     assert one.tolist() == [1, 1, 1] and one.dtype == torch.long
-    assert ev.on_policy_depth(s, torch.tensor([0, 1, 2]), 2).tolist() == [2, 1, 2]
-    assert ev.walk(torch.tensor([0, 1, 1, 1], dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0])).dtype \
+    assert offline.on_policy_depth(s, torch.tensor([0, 1, 2]), 2).tolist() == [2, 1, 2]
+    assert offline.walk(torch.tensor([0, 1, 1, 1], dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0])).dtype \
         == torch.long
 
 
@@ -411,36 +458,52 @@ def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
         ids = torch.cat([torch.tensor(x) for x, _ in samples])
         mask = torch.cat([torch.tensor(m, dtype=torch.uint8) for _, m in samples])
         offsets = torch.tensor([0] + [len(x) for x, _ in samples]).cumsum(0)
-        save_file({"input_ids": ids, "loss_mask": mask, "sample_offsets": offsets}, str(path))
+        save_file({formats.INPUT_IDS: ids, formats.LOSS_MASK: mask, formats.SAMPLE_OFFSETS: offsets}, str(path))
         return path
 
     first = shard(tmp_path / "a.safetensors", [([1, 2, 3], [0, 1, 1]), ([4, 4, 4], [1, 1, 1])])
     second = shard(tmp_path / "b.safetensors", [([5, 6], [1, 1]), ([2, 3, 2], [0, 0, 1])])
     rows = torch.tensor([[0, 0, 3], [1, 1, 3], [1, 0, 2]])  # (shard, row, length); shard 0 row 1 unused
-    unigram, bigram = ev.count_tokens([first, second], rows, 8)
+    unigram, bigram = offline.count_tokens([first, second], rows, 8)
     assert unigram.dtype == torch.long and bigram.dtype == torch.long and bigram.shape == (8, 8)
     assert unigram.tolist() == [0, 0, 2, 1, 0, 1, 1, 0]  # 2,3 | 2 | 5,6
     assert {(i, j): int(bigram[i, j]) for i, j in bigram.nonzero().tolist()} == {
         (1, 2): 1, (2, 3): 1, (3, 2): 1, (5, 6): 1}
-    frequent, bigrams = ev.baseline_drafts(unigram, bigram)
+    frequent, bigrams = offline.baseline_drafts(unigram, bigram)
     assert frequent.token == 2
     assert bigrams.table.tolist() == [2, 2, 3, 2, 2, 6, 2, 2]  # rows never a predecessor: the mode
     rect = torch.zeros(3, 3, dtype=torch.long)
     rect[0, 2] = 5  # 0 -> 2 only: argmax over the successors, not the predecessors
-    assert ev.baseline_drafts(torch.tensor([0, 1, 0]), rect)[1].table.tolist() == [2, 1, 1]
+    assert offline.baseline_drafts(torch.tensor([0, 1, 0]), rect)[1].table.tolist() == [2, 1, 1]
     s = sample([0, 5, 0], [1, 1, 1], [0, 0, 0])
     assert bigrams.propose(s, torch.tensor([0]), 0).shape == (1, 0)
     assert bigrams.propose(s, torch.tensor([0]), 2).tolist() == [[6, 2]]
+
+
+def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
+    """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
+    its own rows."""
+    def shard(path, ids, mask):
+        save_file({formats.INPUT_IDS: torch.tensor(ids),
+                   formats.LOSS_MASK: torch.tensor(mask, dtype=torch.uint8),
+                   formats.SAMPLE_OFFSETS: torch.tensor([0, len(ids)])}, str(path))
+        return path
+
+    first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])
+    second = shard(tmp_path / "b.safetensors", [2, 3], [1, 1])
+    unigram, _ = offline.count_tokens([first, second], torch.tensor([[1, 0, 2]]), 4)
+    assert unigram.tolist() == [0, 0, 1, 1]
 
 
 def test_baselines_from_training_counts(tmp_path):
     ids = torch.tensor([5, 1, 2, 1, 2, 1, 3, 7, 7, 7])
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.uint8)
     shard = tmp_path / "shard.safetensors"
-    save_file({"input_ids": ids, "loss_mask": mask, "sample_offsets": torch.tensor([0, 10])}, str(shard))
-    unigram, bigram = ev.count_tokens([shard], torch.tensor([[0, 0, 10]]), 10)
+    save_file({formats.INPUT_IDS: ids, formats.LOSS_MASK: mask,
+               formats.SAMPLE_OFFSETS: torch.tensor([0, 10])}, str(shard))
+    unigram, bigram = offline.count_tokens([shard], torch.tensor([[0, 0, 10]]), 10)
     assert unigram.tolist()[1] == 3 and int(unigram.argmax()) == 1
-    frequent, bigrams = ev.baseline_drafts(unigram, bigram)
+    frequent, bigrams = offline.baseline_drafts(unigram, bigram)
     assert frequent.token == 1
     s = sample([0, 1, 9], [1, 1, 1], [0, 0, 0])
     # after 1 comes 2 (twice) before 3 (once); after 2 comes 1; 9 was never a predecessor -> mode 1
@@ -454,8 +517,9 @@ def test_baselines_from_training_counts(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny random target, and a random draft for it saved in speculators format."""
-    from draftline import tiny, vocab
-    from draftline.train_model import build_draft
+    from draftline.tiny import targets as tiny
+    from draftline.tokenize import vocab
+    from draftline.train.draft import build_draft
 
     root = tmp_path_factory.mktemp("pair")
     target_dir = tiny.build_tiny_llama(root / "target", hidden_size=64, num_layers=4, num_heads=2,
@@ -471,18 +535,18 @@ def pair(tmp_path_factory):
 
 def test_serving_rollout_matches_speculators_ttt_forward(pair):
     """The serving-style rollout proposes exactly what speculators' training forward drafts."""
-    from draftline.train_model import set_attention
+    from draftline.train.draft import set_attention
 
     target_dir, draft_dir = pair
-    model = ev.load_draft(draft_dir, target_dir)
-    runner = ev.DraftRunner(model)
+    model = rollout.load_draft(draft_dir, target_dir)
+    runner = rollout.DraftRunner(model)
     set_attention(model, "sdpa")
     g = torch.Generator().manual_seed(1)
     T = 48
-    s = ev.Sample(torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
+    s = offline.Sample(torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
                   torch.randn(T, 3 * 64, generator=g), torch.zeros(T, dtype=torch.long))
     starts = torch.arange(T - 1)
-    ours = ev.Eagle3Draft(runner).propose(s, starts, 3)  # [T-1, 3] target ids
+    ours = rollout.Eagle3Draft(runner).propose(s, starts, 3)  # [T-1, 3] target ids
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         drafted = model(hidden_states=s.aux[None, :-1], input_ids=s.input_ids[None, 1:],
                         position_ids=torch.arange(T - 1)[None], ttt_steps=3)
@@ -503,9 +567,9 @@ def overfit_draft(target_dir, target, sequences, aux_ids: list[int], out_dir: Pa
     draft whose verdicts depend on its features, unlike a random one (which accepts nothing)."""
     from speculators.train.data import create_collate_fn, shift_batch
 
-    from draftline import vocab
-    from draftline.train_model import build_draft
-    from draftline.training import make_session
+    from draftline.tokenize import vocab
+    from draftline.train.draft import build_draft
+    from draftline.train.loop import make_session
 
     rows = []
     for tokens in sequences:
@@ -536,13 +600,13 @@ def decoded(pair, tmp_path_factory):
     speculative decoding of the prompts with that draft."""
     from transformers import AutoModelForCausalLM
 
-    from draftline import serving
+    from draftline import serve
 
     target_dir, _ = pair
-    options = serving.EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
-    stops = regeneration.stop_token_ids(target_dir)
+    options = serve.EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
+    stops = regenerate.stop_token_ids(target_dir)
     prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
-    replies = serving.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
+    replies = serve.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies, strict=True)]
     draft_dir = overfit_draft(target_dir, target, sequences, [1, 2, 3],
@@ -554,9 +618,9 @@ def decoded(pair, tmp_path_factory):
             hidden, greedy = hf_states(target, tokens)
             mask = torch.zeros(len(tokens), dtype=torch.bool)
             mask[len(prompt):] = True
-            samples[ids].append(ev.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), greedy))
-    measured = serving.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
-    return samples, measured, ev.DraftRunner(ev.load_draft(draft_dir, target_dir))
+            samples[ids].append(offline.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), greedy))
+    measured = serve.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
+    return samples, measured, rollout.DraftRunner(rollout.load_draft(draft_dir, target_dir))
 
 
 STATS = {"resamples": 200, "level": 0.95, "seed": 0}
@@ -566,8 +630,8 @@ STATS = {"resamples": 200, "level": 0.95, "seed": 0}
 def test_vllm_speculative_decoding_is_lossless_and_takes_the_simulated_steps(decoded):
     """On the target's own greedy text, vLLM's steps are the offline walk's, verdict for verdict."""
     samples, measured, runner = decoded
-    replies = ev.held_out_replies(samples[(1, 2, 3)])
-    result = ev.vllm_vs_offline(replies, measured["replies"], ev.Eagle3Draft(runner), 3, STATS)
+    replies = offline.held_out_replies(samples[(1, 2, 3)])
+    result = in_vllm.vllm_vs_offline(replies, measured["replies"], rollout.Eagle3Draft(runner), 3, STATS)
     print({key: result[key] for key in ("text_mismatches", "diverging_replies", "shared_steps")},
           "vllm", round(result["vllm"]["tau"], 3), "offline", round(result["offline"]["tau"], 3))
     assert result["replies"] == 6 and result["text_mismatches"] == 0
@@ -587,19 +651,19 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     samples, measured, runner = decoded
     good, shifted = samples[(1, 2, 3)], samples[(2, 3, 4)]
     wrong = [dataclasses.replace(g, aux=s.aux) for g, s in zip(good, shifted)]
-    result = ev.vllm_vs_offline(ev.held_out_replies(wrong), measured["replies"],
-                                ev.Eagle3Draft(runner), 3, STATS)
+    result = in_vllm.vllm_vs_offline(offline.held_out_replies(wrong), measured["replies"],
+                                rollout.Eagle3Draft(runner), 3, STATS)
     print(result["divergences"], result["paired_difference"])
     assert result["diverging_replies"] > 0 and not result["agrees"]
     # The stage turns that verdict into its failure (on the target's own replies, as here).
-    from draftline import config
+    from draftline.pipeline import config
     from stages.evaluate import vllm_failures
 
-    cfg = config.compose(["experiment=tiny"])
+    cfg = compose("tiny")
     failures = vllm_failures(cfg, {**result, "on_target_text": True})
     assert len(failures) == 1 and "disagrees with the offline estimate" in failures[0]
     assert vllm_failures(cfg, {**result, "on_target_text": False}) == []
-    good = ev.vllm_vs_offline(ev.held_out_replies(good), measured["replies"], ev.Eagle3Draft(runner), 3, STATS)
+    good = in_vllm.vllm_vs_offline(offline.held_out_replies(good), measured["replies"], rollout.Eagle3Draft(runner), 3, STATS)
     assert vllm_failures(cfg, {**good, "on_target_text": True}) == []
     mismatched = {**good, "on_target_text": True, "text_mismatches": 1, "mismatched": [{"reply": 0}]}
     assert "decoded 1 of 6 stored replies to other text" in vllm_failures(cfg, mismatched)[0]
@@ -608,10 +672,10 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
 def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine():
     """stages.evaluate.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
     the stage's failure, in the default tier (the engine tier checks it on a real decode)."""
-    from draftline import config
+    from draftline.pipeline import config
     from stages.evaluate import vllm_failures
 
-    cfg = config.compose(["experiment=tiny"])
+    cfg = compose("tiny")
     good = {"on_target_text": True, "replies": 6, "text_mismatches": 0, "mismatched": [], "agrees": True,
             "vllm": {"tau": 1.5, "acceptance": [0.4]}, "offline": {"tau": 1.5, "tau_ci": [1.4, 1.6],
             "acceptance_ci": [[0.3, 0.5]]}, "paired_difference": {"difference": 0.0, "ci": [0.0, 0.0]}}
@@ -626,8 +690,7 @@ def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine(
     assert len(vllm_failures(cfg, {**disagrees, **other_text, "agrees": False})) == 2
     # Replies the target did not write (e.g. a fixed dataset's) are not held to either rule.
     assert vllm_failures(cfg, {**disagrees, **other_text, "agrees": False, "on_target_text": False}) == []
-    relaxed = config.compose(["experiment=tiny", "evaluate.vllm.require_agreement=false",
-                              "evaluate.vllm.max_text_mismatches=1"])
+    relaxed = compose("tiny", "evaluate.vllm.require_agreement=false", "evaluate.vllm.max_text_mismatches=1")
     assert vllm_failures(relaxed, {**disagrees, **other_text, "agrees": False}) == []
 
 
@@ -641,7 +704,7 @@ def test_offline_evaluation_refuses_features_the_draft_does_not_expect(pair):
 @pytest.mark.vllm
 def test_vllm_parses_and_loads_every_saved_tensor(pair):
     target_dir, draft_dir = pair
-    report = ev.check_vllm_load(draft_dir, target_dir, 3)
+    report = in_vllm.check_vllm_load(draft_dir, target_dir, 3)
     saved = set(load_file(str(draft_dir / "model.safetensors")))
     assert report["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert report["model_class"] == "Eagle3LlamaForCausalLM"
@@ -650,15 +713,27 @@ def test_vllm_parses_and_loads_every_saved_tensor(pair):
     assert "model.layers.0.self_attn.qkv_proj.weight" in report["parameters"]
 
 
+def test_what_vllm_reads_must_be_what_the_draft_was_built_with():
+    seen = {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+            "draft_vocab_size": 64}
+    assert in_vllm.check_reading(seen, (1, 2, 3), 64, "d") == seen
+    for field, other in (("architectures", ["LlamaForCausalLM"]),
+                         ("eagle_aux_hidden_state_layer_ids", [3, 2, 1]), ("draft_vocab_size", 65)):
+        with pytest.raises(ValueError) as caught:
+            in_vllm.check_reading({**seen, field: other}, [1, 2, 3], 64, "runs/x/draft")
+        assert str(caught.value) == (f"vLLM reads runs/x/draft as {({**seen, field: other})}, "
+                                     f"expected {seen}")
+
+
 def test_the_name_mapping_rejects_unknown_and_missing_tensors():
     params = {"model.fc.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2)}
-    ok = ev.compare_loaded(params, {"fc.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2),
+    ok = in_vllm.compare_loaded(params, {"fc.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2),
                                     "t2d": torch.ones(3, dtype=torch.bool)})
     assert ok["ignored_by_vllm"] == ["t2d"]
     with pytest.raises(ValueError, match="does not have"):
-        ev.compare_loaded(params, {"fc_typo.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2)})
+        in_vllm.compare_loaded(params, {"fc_typo.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2, 2)})
     with pytest.raises(ValueError, match="no saved tensor filled"):
-        ev.compare_loaded(params, {"lm_head.weight": torch.ones(2, 2)})
+        in_vllm.compare_loaded(params, {"lm_head.weight": torch.ones(2, 2)})
 
 
 def loaded_pair() -> tuple[dict, dict]:
@@ -695,12 +770,12 @@ def loaded_pair() -> tuple[dict, dict]:
     ("layers.0.mlp.down_proj.weight", ("model.layers.0.mlp.down_proj.weight", "direct")),
 ])
 def test_saved_names_map_to_vllms_parameters(saved, expected):
-    assert ev.vllm_name(saved) == expected
+    assert in_vllm.vllm_name(saved) == expected
 
 
 def test_the_load_check_accepts_what_vllm_would_hold():
     params, saved = loaded_pair()
-    report = ev.compare_loaded(params, saved)
+    report = in_vllm.compare_loaded(params, saved)
     assert report["ignored_by_vllm"] == ["t2d"] and len(report["placed"]) == 8
     assert report["parameters"] == sorted(params)
 
@@ -723,7 +798,19 @@ def test_the_load_check_rejects_a_tampered_tensor(tamper):
     else:
         params["draft_id_to_target_id"][2] = 2
     with pytest.raises(ValueError, match="vLLM holds other values"):
-        ev.compare_loaded(params, saved)
+        in_vllm.compare_loaded(params, saved)
+
+
+def test_the_load_check_compares_in_the_saved_dtype_and_names_what_it_placed():
+    params, saved = loaded_pair()
+    saved = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in saved.items()}
+    params = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in params.items()}
+    saved["scale"], params["model.scale"] = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.5)
+    report = in_vllm.compare_loaded(params, saved)  # vLLM holds float32 copies of bf16 saves
+    assert report["placed"] == sorted(n for n in saved if n != "t2d")
+    params["model.scale"] = torch.tensor(0.25)
+    with pytest.raises(ValueError, match="scale: vLLM holds other values"):
+        in_vllm.compare_loaded(params, saved)
 
 
 # --------------------------------------------------------------------------- the gate
@@ -768,8 +855,8 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 def smoke_run() -> Path:
     """runs/tiny-trained, evaluated: built here only when `make report EXP=tiny-trained` has not."""
     run = REPO / "runs/tiny-trained"
-    if not (REPO / "runs/_assets/tiny-llama-trained/build.json").exists():
-        built = _run(sys.executable, "-m", "draftline.target_training", "experiment=tiny-trained")
+    if not (REPO / "runs/_assets/tiny-trained/build.json").exists():
+        built = _run(sys.executable, "-m", "draftline.tiny.trained", "experiment=tiny-trained")
         assert built.returncode == 0, built.stderr[-4000:]
     if not (run / "evaluate/manifest.json").exists():
         made = _run("make", "--no-print-directory", "all", "EXP=tiny-trained", f"VENV={sys.prefix}")
@@ -814,7 +901,7 @@ def _broken_run(smoke_run: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     for stage in ("tokenize", "regenerate", "extract", "prepare", "train"):
         shutil.copytree(smoke_run / stage, run / stage,
-                        ignore=shutil.ignore_patterns("shard-*", "runs", "checkpoints", "samples.*", "chunks"))
+                        ignore=shutil.ignore_patterns("shard-*", "checkpoints", "samples.*", "chunks"))
     draft = json.loads((smoke_run / "train/manifest.json").read_text())["draft"]
     shutil.copytree(REPO / draft, tmp_path / "draft")
     tensors = load_file(str(tmp_path / "draft/model.safetensors"))
@@ -838,78 +925,3 @@ def test_gate_passes_the_smoke_run_and_catches_a_shuffled_d2t(smoke_run, tmp_pat
     tau = json.loads((run / "evaluate/results.json").read_text())["offline"]["eagle3"]["tau"]
     print(f"shuffled d2t: tau {tau:.3f}")
     assert tau < json.loads(GATE.read_text())["tiny-trained"]["tau_min"]
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
-    """A held-out reply is scored over its own window [a, b), whatever else the sample masks
-    (another turn's reply): vLLM decodes that one reply, so the walk must take its steps only."""
-    replies, k = flaky_replies(), 3
-    steps = offline_steps(replies, k)
-    widened = [(dataclasses.replace(s, loss_mask=torch.ones_like(s.loss_mask)), a, b) for s, a, b in replies]
-    result = ev.vllm_vs_offline(widened, as_vllm_measures(replies, steps), Flaky(), k, STATS)
-    assert result["agrees"] and result["diverging_replies"] == 0
-    assert result["shared_steps"] == sum(len(s) for s in steps)
-
-
-def test_per_position_rates_of_a_single_verification_step():
-    """One verification step: each per-position rate is 0 or 1, that step's verdict (the
-    step count is floored only against zero steps)."""
-    k = 3
-    s = sample([7, 1, 2, 3, 4], [0, 1, 1, 1, 1], [1, 2, 3, 4, 5])
-    replies = ev.held_out_replies([s])
-    steps = offline_steps(replies, k)
-    assert len(steps) == 1 and len(steps[0]) == 1 and steps[0][0] > 0, steps
-    result = ev.vllm_vs_offline(replies, as_vllm_measures(replies, steps), Flaky(), k, STATS)
-    expected = [float(steps[0][0] >= j) for j in range(1, k + 1)]
-    assert result["vllm_unconditional"] == expected and result["offline_unconditional"] == expected
-
-
-def test_paired_ci_bounds_equal_a_plain_python_reference():
-    good = random_lengths(25, 3, seed=6, skill=0.6)
-    a = ev.Counts.from_lengths(good, 3)
-    b = ev.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
-    result = ev.paired_difference(a, b, "tau", 300, 0.9, 1)
-    picks = torch.randint(0, 25, (300, 25), generator=torch.Generator().manual_seed(1))
-    diffs = [float(ev._statistic(a.at_least[p].sum(0).double(), "tau")
-                   - ev._statistic(b.at_least[p].sum(0).double(), "tau")) for p in picks]
-    assert result["ci"] == pytest.approx([quantile(diffs, 0.05), quantile(diffs, 0.95)], abs=1e-12)
-    with pytest.raises(ValueError, match="^paired counts need the same units$"):
-        ev.paired_difference(a, ev.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
-
-
-def test_empty_walks_and_proposals_stay_integer_tensors():
-    nothing = ev.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
-    assert nothing.tolist() == [] and nothing.dtype == torch.long
-    assert ev.Counts.from_lengths([], 3).at_least.dtype == torch.long
-    bigram = ev.baseline_drafts(torch.tensor([0, 3, 1]), torch.ones(3, 3, dtype=torch.long))[1]
-    none = bigram.propose(sample([0, 1, 2], [1, 1, 1], [1, 2, 0]), torch.tensor([0, 1]), 0)
-    assert none.shape == (2, 0) and none.dtype == torch.long
-
-
-def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):
-    """Rows (shard, row, length) whose shard and row numbers differ: each shard is read for
-    its own rows."""
-    def shard(path, ids, mask):
-        save_file({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                   "sample_offsets": torch.tensor([0, len(ids)])}, str(path))
-        return path
-
-    first = shard(tmp_path / "a.safetensors", [1, 1], [1, 1])
-    second = shard(tmp_path / "b.safetensors", [2, 3], [1, 1])
-    unigram, _ = ev.count_tokens([first, second], torch.tensor([[1, 0, 2]]), 4)
-    assert unigram.tolist() == [0, 0, 1, 1]
-
-
-def test_the_load_check_compares_in_the_saved_dtype_and_names_what_it_placed():
-    params, saved = loaded_pair()
-    saved = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in saved.items()}
-    params = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in params.items()}
-    saved["scale"], params["model.scale"] = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.5)
-    report = ev.compare_loaded(params, saved)  # vLLM holds float32 copies of bf16 saves
-    assert report["placed"] == sorted(n for n in saved if n != "t2d")
-    params["model.scale"] = torch.tensor(0.25)
-    with pytest.raises(ValueError, match="scale: vLLM holds other values"):
-        ev.compare_loaded(params, saved)

@@ -2,7 +2,7 @@
 disk estimate and the fingerprint that decides whether a shard on disk may be reused.
 
 All in-process and fast (no vLLM engine): `make mutation` runs these against mutants of
-draftline/extraction.py. The stage-level refusal through `python -m stages.extract` is in
+draftline/extract/shards.py, draftline/target.py and the shard part of draftline/formats.py. The stage-level refusal through `python -m stages.extract` is in
 tests/test_stages.py.
 """
 
@@ -18,27 +18,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline import artifacts, config, extraction, tiny
-from draftline.samples import write_samples
+from draftline import formats, target
+from draftline.extract import shards
+from draftline.pipeline import artifacts, config
+from draftline.tiny import targets
 from stages import extract as extract_stage
+from conftest import compose
 
 
 # --------------------------------------------------------------------------- plans
 
 
 def test_shards_close_once_they_hold_shard_tokens_and_cover_every_sample_in_order():
-    plans = extraction.plan_shards([3, 4, 2, 5, 1, 1], shard_tokens=6)
+    plans = shards.plan_shards([3, 4, 2, 5, 1, 1], shard_tokens=6)
     assert [(p.index, p.sample_ids, p.num_tokens) for p in plans] == [
         (0, (0, 1), 7), (1, (2, 3), 7), (2, (4, 5), 2)]
     assert [p.name for p in plans] == [f"shard-0000{i}.safetensors" for i in range(3)]
-    exact = extraction.plan_shards([3, 3, 3], shard_tokens=3)  # reaching the size closes it
+    exact = shards.plan_shards([3, 3, 3], shard_tokens=3)  # reaching the size closes it
     assert [p.sample_ids for p in exact] == [(0,), (1,), (2,)]
-    assert extraction.plan_shards([], shard_tokens=4) == []
+    assert shards.plan_shards([], shard_tokens=4) == []
 
 
 def test_the_plan_depends_only_on_lengths_and_size():
     lengths = [int(n) for n in torch.randint(1, 50, (200,), generator=torch.Generator().manual_seed(0))]
-    first, again = extraction.plan_shards(lengths, 300), extraction.plan_shards(list(lengths), 300)
+    first, again = shards.plan_shards(lengths, 300), shards.plan_shards(list(lengths), 300)
     assert first == again
     assert [i for p in first for i in p.sample_ids] == list(range(200))
     assert sum(p.num_tokens for p in first) == sum(lengths)
@@ -47,10 +50,14 @@ def test_the_plan_depends_only_on_lengths_and_size():
 
 def test_batches_stay_within_the_token_budget_unless_one_sample_is_larger():
     lengths = [5, 5, 5, 12, 1, 4]
-    assert extraction.plan_batches((0, 1, 2, 3, 4, 5), lengths, token_budget=10) == [
+    assert shards.plan_batches((0, 1, 2, 3, 4, 5), lengths, token_budget=10) == [
         [0, 1], [2], [3], [4, 5]]
-    assert extraction.plan_batches((2, 4), lengths, token_budget=6) == [[2, 4]]  # 5 + 1 fits exactly
-    assert extraction.plan_batches((), lengths, token_budget=10) == []
+    assert shards.plan_batches((2, 4), lengths, token_budget=6) == [[2, 4]]  # 5 + 1 fits exactly
+    assert shards.plan_batches((), lengths, token_budget=10) == []
+
+
+def test_a_batch_that_fills_the_budget_exactly_closes_it():
+    assert shards.plan_batches((0, 1, 2, 3), [5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
 
 
 # --------------------------------------------------------------------------- preflight
@@ -58,35 +65,40 @@ def test_batches_stay_within_the_token_budget_unless_one_sample_is_larger():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return tiny.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 def tiny_cfg(model_dir: Path, *overrides: str):
-    return config.compose(["experiment=tiny", f"model.path={model_dir}", *overrides])
+    return compose("tiny", f"model.path={model_dir}", *overrides)
 
 
 def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):
-    assert extraction.read_target_shape(model_dir) == extraction.TargetShape(6, 256, "LlamaForCausalLM")
+    assert target.read_target_shape(model_dir) == target.TargetShape(6, 256, "LlamaForCausalLM")
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
     (wrapped / "config.json").write_text(json.dumps(
         {"architectures": ["KimiK25ForConditionalGeneration"],
          "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
-    assert extraction.read_target_shape(wrapped) == extraction.TargetShape(
+    assert target.read_target_shape(wrapped) == target.TargetShape(
         61, 7168, "KimiK25ForConditionalGeneration")
     with pytest.raises(FileNotFoundError, match="target model config not found"):
-        extraction.read_target_shape(tmp_path / "missing")
+        target.read_target_shape(tmp_path / "missing")
+
+
+def test_a_config_without_architectures_reads_as_unknown(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
+    assert target.read_target_shape(tmp_path).architecture == "unknown"
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 5], [2, 3, 4], [1]])
 def test_aux_ids_between_one_and_the_last_layer_are_accepted(ids):
-    extraction.check_layer_ids(ids, extraction.TargetShape(6, 8, "x"))
+    target.check_layer_ids(ids, target.TargetShape(6, 8, "x"))
 
 
 @pytest.mark.parametrize("ids", [[0, 2, 3], [2, 3, 6], [2, 2, 3], [-1, 2, 3]])
 def test_aux_ids_outside_the_layers_or_repeated_are_refused(ids):
     with pytest.raises(ValueError, match=r"invalid for a 6-layer target: need distinct ids in \[1, 5\]"):
-        extraction.check_layer_ids(ids, extraction.TargetShape(6, 8, "x"))
+        target.check_layer_ids(ids, target.TargetShape(6, 8, "x"))
 
 
 def test_preflight_passes_the_tiny_target(model_dir):
@@ -112,50 +124,99 @@ def test_a_sample_one_token_shorter_than_max_model_len_fits(model_dir):
 
 
 def test_bytes_per_token_and_the_disk_check(tmp_path):
-    assert extraction.bytes_per_token(4, 256, "bfloat16") == 4 * 256 * 2 + 9
-    assert extraction.bytes_per_token(4, 7168, "float32") == 4 * 7168 * 4 + 9
-    assert extraction.check_disk(tmp_path / "out", 1000, 100, 1.5) == 150_000
+    assert shards.bytes_per_token(4, 256, "bfloat16") == 4 * 256 * 2 + 9
+    assert shards.bytes_per_token(4, 7168, "float32") == 4 * 7168 * 4 + 9
+    assert shards.check_disk(tmp_path / "out", 1000, 100, 1.5) == 150_000
     assert (tmp_path / "out").is_dir()
     with pytest.raises(RuntimeError, match=r"GiB free, extraction needs about .* \(1000000000000000 tokens x 2057 B x 1.1\)"):
-        extraction.check_disk(tmp_path / "out", 10**15, 2057, 1.1)
+        shards.check_disk(tmp_path / "out", 10**15, 2057, 1.1)
+
+
+def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b" / "extract"
+    free = 3 * 2**30
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
+    assert shards.check_disk(out, 3 * 2**20, 2**10, 1.0) == free  # exactly what is free: fits
+    assert out.is_dir()
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"{out}: 3.0 GiB free, extraction needs about 4.5 GiB (3145728 tokens x 1024 B x 1.5)")):
+        shards.check_disk(out, 3 * 2**20, 2**10, 1.5)
 
 
 # --------------------------------------------------------------------------- reuse of shards
 
 
-def write_planned_shard(path: Path, plan: extraction.ShardPlan, fingerprint: str) -> None:
+def write_planned_shard(path: Path, plan: shards.ShardPlan, fingerprint: str) -> None:
     results = {i: {"hidden_states": [torch.full((2, 4), float(i))] * 2, "input_ids": torch.arange(2)}
                for i in plan.sample_ids}
-    tensors = extraction.pack_shard(plan, results, {i: [0, 1] for i in plan.sample_ids}, "float32")
-    extraction.write_shard(path, tensors, {"fingerprint": fingerprint})
+    tensors = formats.pack_shard(plan.sample_ids, results, {i: [0, 1] for i in plan.sample_ids},
+                                 "float32")
+    formats.write_shard(path, tensors, {formats.FINGERPRINT: fingerprint})
 
 
 def test_a_shard_is_reused_only_with_the_same_fingerprint_and_samples(tmp_path):
-    plan = extraction.ShardPlan(0, (3, 4), 4)
+    plan = shards.ShardPlan(0, (3, 4), 4)
     path = tmp_path / plan.name
-    assert not extraction.shard_is_complete(path, plan, "abc")
+    assert not shards.shard_is_complete(path, plan, "abc")
     write_planned_shard(path, plan, "abc")
-    assert extraction.shard_is_complete(path, plan, "abc")
-    assert not extraction.shard_is_complete(path, plan, "abd")
-    assert not extraction.shard_is_complete(path, extraction.ShardPlan(0, (3, 5), 4), "abc")
+    assert shards.shard_is_complete(path, plan, "abc")
+    assert not shards.shard_is_complete(path, plan, "abd")
+    assert not shards.shard_is_complete(path, shards.ShardPlan(0, (3, 5), 4), "abc")
+
+
+def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
+    from safetensors.torch import save_file
+
+    plan = shards.ShardPlan(0, (3,), 2)
+    save_file({formats.SAMPLE_IDS: torch.tensor([3])}, str(tmp_path / plan.name))
+    assert not shards.shard_is_complete(tmp_path / plan.name, plan, "abc")
 
 
 def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
-    plan = extraction.ShardPlan(0, (7, 2), 5)
+    plan = shards.ShardPlan(0, (7, 2), 5)
     results = {7: {"hidden_states": [torch.ones(3, 4), torch.zeros(3, 4)], "input_ids": torch.arange(3)},
                2: {"hidden_states": [torch.full((2, 4), 2.0)] * 2, "input_ids": torch.arange(10, 12)}}
-    tensors = extraction.pack_shard(plan, results, {7: [0, 1, 1], 2: [1, 0]}, "bfloat16")
-    assert tensors["hidden_states"].shape == (5, 2, 4) and tensors["hidden_states"].dtype == torch.bfloat16
-    assert tensors["hidden_states"][:3, 0].eq(1).all() and tensors["hidden_states"][:3, 1].eq(0).all()
-    assert tensors["input_ids"].tolist() == [0, 1, 2, 10, 11]
-    assert tensors["loss_mask"].tolist() == [0, 1, 1, 1, 0] and tensors["loss_mask"].dtype == torch.uint8
-    assert tensors["sample_offsets"].tolist() == [0, 3, 5] and tensors["sample_ids"].tolist() == [7, 2]
+    tensors = formats.pack_shard(plan.sample_ids, results, {7: [0, 1, 1], 2: [1, 0]}, "bfloat16")
+    hidden = tensors[formats.HIDDEN_STATES]
+    assert hidden.shape == (5, 2, 4) and hidden.dtype == torch.bfloat16
+    assert hidden[:3, 0].eq(1).all() and hidden[:3, 1].eq(0).all()
+    assert tensors[formats.INPUT_IDS].tolist() == [0, 1, 2, 10, 11]
+    mask = tensors[formats.LOSS_MASK]
+    assert mask.tolist() == [0, 1, 1, 1, 0] and mask.dtype == torch.uint8
+    assert tensors[formats.SAMPLE_OFFSETS].tolist() == [0, 3, 5]
+    assert tensors[formats.SAMPLE_IDS].tolist() == [7, 2]
+
+
+def test_packed_input_ids_are_int64_whatever_the_engine_returns():
+    plan = shards.ShardPlan(0, (1,), 2)
+    results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
+    packed = formats.pack_shard(plan.sample_ids, results, {1: [0, 1]}, "float32")
+    assert packed[formats.INPUT_IDS].dtype == torch.int64
+
+
+def test_the_file_keys_are_the_ones_runs_on_disk_hold():
+    """Spelled out once here on purpose: a renamed key would leave every shard, index and
+    vocab mapping already written unreadable."""
+    assert (formats.INPUT_IDS, formats.LOSS_MASK, formats.SAMPLE_OFFSETS) == (
+        "input_ids", "loss_mask", "sample_offsets")
+    assert formats.SHARD_KEYS == (
+        "hidden_states", "input_ids", "loss_mask", "sample_offsets", "sample_ids")
+    assert (formats.SHARD_METADATA, formats.FINGERPRINT) == ("draftline", "fingerprint")
+    assert formats.SPLITS == ("train", "validation")
+    assert (formats.D2T, formats.T2D, formats.TOKEN_FREQ) == ("d2t", "t2d", "token_freq")
 
 
 def test_identical_shards_are_byte_identical_files(tmp_path):
-    plan = extraction.ShardPlan(0, (1, 2), 4)
+    plan = shards.ShardPlan(0, (1, 2), 4)
     write_planned_shard(tmp_path / "a.safetensors", plan, "f")
     write_planned_shard(tmp_path / "b.safetensors", plan, "f")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
+    tensors = {"x": torch.arange(3)}
+    formats.write_shard(tmp_path / "a.safetensors", tensors, {formats.FINGERPRINT: "f", "aux": [1, 2]})
+    formats.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], formats.FINGERPRINT: "f"})
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
@@ -172,9 +233,9 @@ def test_an_extract_config_change_invalidates_every_shard(model_dir, tmp_path, c
     assert before == extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
     after = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, change), samples)
     assert after != before
-    plan = extraction.ShardPlan(0, (0,), 2)
+    plan = shards.ShardPlan(0, (0,), 2)
     write_planned_shard(tmp_path / plan.name, plan, before)
-    assert not extraction.shard_is_complete(tmp_path / plan.name, plan, after)
+    assert not shards.shard_is_complete(tmp_path / plan.name, plan, after)
 
 
 def test_other_samples_or_another_target_invalidate_the_shards(model_dir, tmp_path):
@@ -210,7 +271,7 @@ def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shar
     elsewhere = tiny_cfg(copy, f"run_dir={tmp_path / 'elsewhere' / 'b'}", "extract.disk_headroom=2")
     second = extract_stage.shard_fingerprint(elsewhere, samples)
     assert second == first
-    plan = extraction.ShardPlan(0, (1, 2), 4)
+    plan = shards.ShardPlan(0, (1, 2), 4)
     for run in ("a", "elsewhere/b"):
         write_planned_shard(tmp_path / run / plan.name, plan, first if run == "a" else second)
     assert (tmp_path / "a" / plan.name).read_bytes() == (tmp_path / "elsewhere/b" / plan.name).read_bytes()
@@ -224,37 +285,62 @@ def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shar
 def test_the_target_digest_reads_a_file_again_once_its_size_or_mtime_moves(model_dir, tmp_path):
     copy = shutil.copytree(model_dir, tmp_path / "target")
     cache = tmp_path / "cache.json"
-    base = extraction.target_digest(copy, cache)
+    base = target.target_digest(copy, cache)
     weights = copy / "model.safetensors"
     stat = weights.stat()
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert extraction.target_digest(copy, cache) != base
+    assert target.target_digest(copy, cache) != base
     with pytest.raises(FileNotFoundError, match="target model directory not found"):
-        extraction.target_digest(tmp_path / "missing", cache)
+        target.target_digest(tmp_path / "missing", cache)
+
+
+def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp_path):
+    """The digest is sha256 over 'relative name NUL file sha256' per file in name order;
+    the cache answers for a file whose size and mtime it recorded, even across calls (shown
+    by content changed behind its back with size and mtime put back)."""
+    root = tmp_path / "target"
+    (root / "sub").mkdir(parents=True)
+    files = {"config.json": b"{}", "sub/w.bin": b"weights"}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
+    cache = tmp_path / "cache.json"
+    assert target.target_digest(root, cache) == digest.hexdigest()
+    recorded = artifacts.read_json(cache)
+    weights = root / "sub/w.bin"
+    assert recorded[str(weights.resolve())] == [
+        [len(b"weights"), weights.stat().st_mtime_ns], hashlib.sha256(b"weights").hexdigest()]
+    stat = weights.stat()
+    weights.write_bytes(b"WEIGHTS")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert target.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
+    assert target.target_digest(root, cache) == digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- replicas and slices
 
 
 def test_parts_take_every_nth_shard_and_together_cover_the_plan_once():
-    plans = extraction.plan_shards([3] * 10, shard_tokens=3)
-    parts = [extraction.Part.parse(f"{i}/3", "extract.shard") for i in range(3)]
+    plans = shards.plan_shards([3] * 10, shard_tokens=3)
+    parts = [shards.Part.parse(f"{i}/3", "extract.shard") for i in range(3)]
     taken = [[p.index for p in part.take(plans)] for part in parts]
     assert taken == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert str(parts[1]) == "1/3"
-    assert extraction.Part.parse(" 2 / 5 ", "x") == extraction.Part(2, 5)
+    assert shards.Part.parse(" 2 / 5 ", "x") == shards.Part(2, 5)
     # A replica of a slice takes every N-th shard of the slice: slice 1/2, replica 1/2.
-    inner = extraction.Part(1, 2).take(extraction.Part(1, 2).take(plans))
+    inner = shards.Part(1, 2).take(shards.Part(1, 2).take(plans))
     assert [p.index for p in inner] == [3, 7]
 
 
 @pytest.mark.parametrize("text", ["3/3", "1", "-1/3", "1/0", "a/b", "0/3/1", ""])
 def test_a_part_outside_zero_to_n_is_refused(text):
     with pytest.raises(ValueError, match=re.escape(f"extract.shard={text!r}: expected i/N")):
-        extraction.Part.parse(text, "extract.shard")
+        shards.Part.parse(text, "extract.shard")
 
 
 @pytest.mark.parametrize("launch_key", ["extract.replicas=4", "extract.shard=1/3"])
@@ -268,7 +354,7 @@ def test_replicas_and_slices_leave_the_fingerprint_alone(model_dir, tmp_path, la
 
 
 def test_replicas_get_disjoint_gpus_or_cpu_cores():
-    from draftline import launch
+    from draftline.pipeline import launch
 
     assert launch.split_devices([str(i) for i in range(8)], 4, 2) == ["0,1", "2,3", "4,5", "6,7"]
     assert launch.split_devices(["3", "5", "7"], 3, 1) == ["3", "5", "7"]
@@ -284,11 +370,11 @@ def sliced_run(tmp_path: Path, model_dir: Path, lengths: list[int]):
     """A run dir as regenerate leaves it (samples, manifest) and the composed config."""
     regenerate_dir = tmp_path / "run" / "regenerate"
     ids = [[7 + (i + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
-    write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
+    formats.write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
     artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10")
     fingerprint = extract_stage.shard_fingerprint(cfg, regenerate_dir / "samples.safetensors")
-    return cfg, extraction.plan_shards(lengths, 10), fingerprint
+    return cfg, shards.plan_shards(lengths, 10), fingerprint
 
 
 def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_manifest(model_dir, tmp_path):
@@ -297,7 +383,7 @@ def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_mani
     command; once they are there it returns the manifest's fields, shard for shard."""
     cfg, plans, fingerprint = sliced_run(tmp_path, model_dir, [10] * 7)
     out_dir = tmp_path / "run" / "extract"
-    extraction.write_slices_record(out_dir, 3)
+    shards.write_slices_record(out_dir, 3)
     for plan in plans:
         if plan.index != 1:
             write_planned_shard(out_dir / plan.name, plan, fingerprint if plan.index != 4 else "old")
@@ -320,129 +406,57 @@ def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_mani
     assert fields["shards"][4]["sha256"] == artifacts.sha256_file(out_dir / plans[4].name)
 
 
-def test_fill_commands_without_an_experiment_are_the_python_form():
-    assert extraction.fill_commands([0, 2], 4, ["run_dir=/x y", "extract.shard=9/9"]) == [
-        "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
-        "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
-    assert extraction.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_a_batch_that_fills_the_budget_exactly_closes_it():
-    assert extraction.plan_batches((0, 1, 2, 3), [5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
-
-
-def test_a_config_without_architectures_reads_as_unknown(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
-    assert extraction.read_target_shape(tmp_path).architecture == "unknown"
-
-
-def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
-    out = tmp_path / "a" / "b" / "extract"
-    free = 3 * 2**30
-    monkeypatch.setattr(extraction.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
-    assert extraction.check_disk(out, 3 * 2**20, 2**10, 1.0) == free  # exactly what is free: fits
-    assert out.is_dir()
-    with pytest.raises(RuntimeError, match=re.escape(
-            f"{out}: 3.0 GiB free, extraction needs about 4.5 GiB (3145728 tokens x 1024 B x 1.5)")):
-        extraction.check_disk(out, 3 * 2**20, 2**10, 1.5)
-
-
-def test_a_shard_without_draftline_metadata_is_not_reused(tmp_path):
-    from safetensors.torch import save_file
-
-    plan = extraction.ShardPlan(0, (3,), 2)
-    save_file({"sample_ids": torch.tensor([3])}, str(tmp_path / plan.name))
-    assert not extraction.shard_is_complete(tmp_path / plan.name, plan, "abc")
-
-
-def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
-    tensors = {"x": torch.arange(3)}
-    extraction.write_shard(tmp_path / "a.safetensors", tensors, {"fingerprint": "f", "aux": [1, 2]})
-    extraction.write_shard(tmp_path / "b.safetensors", tensors, {"aux": [1, 2], "fingerprint": "f"})
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
-
-
-def test_packed_input_ids_are_int64_whatever_the_engine_returns():
-    plan = extraction.ShardPlan(0, (1,), 2)
-    results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
-    assert extraction.pack_shard(plan, results, {1: [0, 1]}, "float32")["input_ids"].dtype == torch.int64
-
-
-# --------------------------------------------------------------------------- scale-out edges that mutants found
-
-
 def test_the_finalize_error_is_exact_and_lists_at_most_listed_shards(tmp_path):
     """Every line of the message, for exactly LISTED missing shards (all named) and for two
     more (LISTED named, then the count of the rest)."""
-    plans = extraction.plan_shards([1] * (extraction.LISTED + 2), 1)
+    plans = shards.plan_shards([1] * (shards.LISTED + 2), 1)
     out_dir = tmp_path / "extract"
-    record = out_dir / extraction.SLICES_RECORD
+    record = out_dir / shards.SLICES_RECORD
 
     def expected(missing, more):
         return "\n".join([
             f"{out_dir} is extracted in 2 slices ({record}) and {len(missing)} of {len(plans)} planned "
             "shards are missing or were made from other inputs or config:",
-            *[f"  {p.name} (slice {p.index % 2}/2)" for p in missing[:extraction.LISTED]],
+            *[f"  {p.name} (slice {p.index % 2}/2)" for p in missing[:shards.LISTED]],
             *([f"  ... and {more} more"] if more else []),
             "Fill them (each command resumes its slice), then run `make extract` again:",
             "  make extract EXP=tiny SHARD=0/2",
             "  make extract EXP=tiny SHARD=1/2",
             f"(To extract them all on this host instead, delete {record}.)"])
 
-    exact = plans[:extraction.LISTED]
-    assert extraction.finalize_error(exact, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(exact, 0)
-    assert extraction.finalize_error(plans, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(plans, 2)
+    exact = plans[:shards.LISTED]
+    assert shards.finalize_error(exact, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(exact, 0)
+    assert shards.finalize_error(plans, len(plans), 2, out_dir, ["experiment=tiny"]) == expected(plans, 2)
+
+
+def test_fill_commands_without_an_experiment_are_the_python_form():
+    assert shards.fill_commands([0, 2], 4, ["run_dir=/x y", "extract.shard=9/9"]) == [
+        "python -m stages.extract 'run_dir=/x y' extract.shard=0/4",
+        "python -m stages.extract 'run_dir=/x y' extract.shard=2/4"]
+    assert shards.fill_commands([1], 2, ["experiment=tiny"]) == ["make extract EXP=tiny SHARD=1/2"]
 
 
 def test_an_experiment_value_is_taken_whole_after_its_first_equals_sign():
-    assert extraction.fill_commands([0], 2, ["experiment=a=b"]) == ["make extract EXP=a=b SHARD=0/2"]
+    assert shards.fill_commands([0], 2, ["experiment=a=b"]) == ["make extract EXP=a=b SHARD=0/2"]
 
 
 def test_no_slices_record_reads_as_a_one_host_run(tmp_path):
-    assert extraction.read_slices_record(tmp_path) is None
-    extraction.write_slices_record(tmp_path, 3)
-    assert extraction.read_slices_record(tmp_path) == 3
+    assert shards.read_slices_record(tmp_path) is None
+    shards.write_slices_record(tmp_path, 3)
+    assert shards.read_slices_record(tmp_path) == 3
 
 
 def test_shard_records_name_samples_tokens_bytes_sha_and_recorded_seconds(tmp_path):
-    plans = extraction.plan_shards([3, 4, 5], 7)
+    plans = shards.plan_shards([3, 4, 5], 7)
     for plan in plans:
         (tmp_path / plan.name).write_bytes(plan.name.encode() * (plan.index + 1))
     # make reproduce leaves files with this suffix out of the outputs it compares
-    assert extraction.timing_path(tmp_path / plans[0].name) == tmp_path / "shard-00000.timing.json"
-    artifacts.write_json(extraction.timing_path(tmp_path / plans[0].name), {"seconds": 1.5})
-    records = extraction.shard_records(plans, tmp_path)
+    assert shards.timing_path(tmp_path / plans[0].name) == tmp_path / "shard-00000.timing.json"
+    artifacts.write_json(shards.timing_path(tmp_path / plans[0].name), {"seconds": 1.5})
+    records = shards.shard_records(plans, tmp_path)
     assert records == [
         {"file": p.name, "samples": len(p.sample_ids), "tokens": p.num_tokens,
          "bytes": len(p.name) * (p.index + 1), "sha256": artifacts.sha256_file(tmp_path / p.name),
          **({"seconds": 1.5} if p.index == 0 else {})}
         for p in plans]
     assert [(r["samples"], r["tokens"]) for r in records] == [(2, 7), (1, 5)]
-
-
-def test_the_target_digest_is_pinned_and_an_unchanged_file_is_not_read_again(tmp_path):
-    """The digest is sha256 over 'relative name NUL file sha256' per file in name order;
-    the cache answers for a file whose size and mtime it recorded, even across calls (shown
-    by content changed behind its back with size and mtime put back)."""
-    root = tmp_path / "target"
-    (root / "sub").mkdir(parents=True)
-    files = {"config.json": b"{}", "sub/w.bin": b"weights"}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).hexdigest().encode())
-    cache = tmp_path / "cache.json"
-    assert extraction.target_digest(root, cache) == digest.hexdigest()
-    recorded = artifacts.read_json(cache)
-    weights = root / "sub/w.bin"
-    assert recorded[str(weights.resolve())] == [
-        [len(b"weights"), weights.stat().st_mtime_ns], hashlib.sha256(b"weights").hexdigest()]
-    stat = weights.stat()
-    weights.write_bytes(b"WEIGHTS")
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert extraction.target_digest(root, cache) == digest.hexdigest()  # twice: the cache is kept
-    assert extraction.target_digest(root, cache) == digest.hexdigest()

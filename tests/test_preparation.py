@@ -8,7 +8,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from draftline import formats
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def save_shard(path: Path, hidden, ids, mask, offsets, sample_ids) -> None:
+    """A shard's tensors as given, consistent or not (prepare is what checks them)."""
+    save_file({formats.HIDDEN_STATES: hidden, formats.INPUT_IDS: ids, formats.LOSS_MASK: mask,
+               formats.SAMPLE_OFFSETS: offsets, formats.SAMPLE_IDS: sample_ids}, str(path))
 
 
 def write_shard(path: Path, *, nan: bool = False, empty_sample: bool = False) -> Path:
@@ -17,14 +25,14 @@ def write_shard(path: Path, *, nan: bool = False, empty_sample: bool = False) ->
     if nan:
         hidden[3, 1, 2] = float("nan")
     offsets = torch.tensor([0, 3, 3, 5] if empty_sample else [0, 3, 5])
-    save_file({"hidden_states": hidden, "input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.uint8),
-               "sample_offsets": offsets, "sample_ids": torch.arange(len(offsets) - 1)}, str(path))
+    save_shard(path, hidden, torch.arange(5), torch.ones(5, dtype=torch.uint8), offsets,
+               torch.arange(len(offsets) - 1))
     return path
 
 
 def validate_optimized(path: Path) -> subprocess.CompletedProcess:
-    """draftline.preparation.validate_shard in a `python -O` interpreter (asserts stripped)."""
-    code = ("import sys; from pathlib import Path; from draftline.preparation import validate_shard; "
+    """draftline.prepare.validate_shard in a `python -O` interpreter (asserts stripped)."""
+    code = ("import sys; from pathlib import Path; from draftline.prepare import validate_shard; "
             "print(validate_shard(Path(sys.argv[1]), 2, 4))")
     return subprocess.run([sys.executable, "-O", "-c", code, str(path)], cwd=REPO,
                           capture_output=True, text=True)
@@ -48,7 +56,7 @@ def test_bad_shards_are_refused_under_python_O(tmp_path, broken, message):
 
 
 def test_validation_reads_each_row_length_and_masked_count(tmp_path):
-    from draftline.preparation import validate_shard
+    from draftline.prepare import validate_shard
 
     path = write_shard(tmp_path / "good.safetensors")
     assert validate_shard(path, 2, 4) == [(0, 0, 3, 3), (1, 1, 2, 2)]
@@ -61,19 +69,32 @@ def test_validation_reads_each_row_length_and_masked_count(tmp_path):
 
 
 def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
-    from draftline.preparation import validate_shard
+    from draftline.prepare import validate_shard
 
     path = tmp_path / "short.safetensors"
-    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
-               "loss_mask": torch.ones(5, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 4]),
-               "sample_ids": torch.arange(2)}, str(path))
+    save_shard(path, torch.zeros(5, 2, 4), torch.arange(5), torch.ones(5, dtype=torch.uint8),
+               torch.tensor([0, 3, 4]), torch.arange(2))
     with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
         validate_shard(path, 2, 4)
-    save_file({"hidden_states": torch.zeros(5, 2, 4), "input_ids": torch.arange(5),
-               "loss_mask": torch.ones(4, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 3, 5]),
-               "sample_ids": torch.arange(2)}, str(path))
+    save_shard(path, torch.zeros(5, 2, 4), torch.arange(5), torch.ones(4, dtype=torch.uint8),
+               torch.tensor([0, 3, 5]), torch.arange(2))
     with pytest.raises(ValueError, match="offsets/mask do not cover 5 tokens"):
         validate_shard(path, 2, 4)
+
+
+def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.prepare import validate_shard, write_index
+
+    path = tmp_path / "one.safetensors"
+    save_shard(path, torch.zeros(3, 2, 4), torch.arange(3), torch.ones(3, dtype=torch.uint8),
+               torch.tensor([0, 1, 3]), torch.tensor([5, 6]))
+    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
+    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert index[formats.VALIDATION].dtype == torch.int64
+    assert index[formats.VALIDATION].shape == (0, 3)
 
 
 def rows(n: int, masked=lambda i: 1) -> list[tuple[int, int, int, int, int]]:
@@ -82,7 +103,7 @@ def rows(n: int, masked=lambda i: 1) -> list[tuple[int, int, int, int, int]]:
 
 
 def test_the_split_is_by_sample_deterministic_disjoint_and_near_the_fraction():
-    from draftline.preparation import is_validation, split_rows
+    from draftline.prepare import is_validation, split_rows
 
     train, validation = split_rows(rows(2000), 0.1, seed=7, min_validation=1)
     assert split_rows(rows(2000), 0.1, seed=7, min_validation=1) == (train, validation)
@@ -98,75 +119,11 @@ def test_the_split_is_by_sample_deterministic_disjoint_and_near_the_fraction():
 
 
 def test_the_coin_is_the_samples_hash_below_the_fraction():
-    from draftline.preparation import is_validation
+    from draftline.prepare import is_validation
 
     assert not any(is_validation(i, 0.0, 0) for i in range(100))
     assert all(is_validation(i, 1.0, 0) for i in range(100))
     assert 400 < sum(is_validation(i, 0.5, 3) for i in range(1000)) < 600
-
-
-def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
-    from draftline.preparation import split_rows
-
-    train, validation = split_rows(rows(5), 0.0, seed=0, min_validation=2)
-    assert len(validation) == 2 and len(train) == 3
-    assert {r[1] for r in train} | {r[1] for r in validation} == set(range(5))
-    assert split_rows(rows(5), 0.0, seed=0, min_validation=2) == (train, validation)
-    with pytest.raises(ValueError, match="no training samples left"):
-        split_rows(rows(2), 0.0, seed=0, min_validation=2)
-
-
-def test_samples_without_masked_tokens_are_dropped_from_both_splits():
-    from draftline.preparation import split_rows
-
-    train, validation = split_rows(rows(50, masked=lambda i: int(i % 5 != 0)), 0.2, seed=1, min_validation=1)
-    kept = {r[1] for r in train + validation}
-    assert kept == {i for i in range(50) if i % 5 != 0}
-
-
-def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
-    from safetensors.torch import load_file
-
-    from draftline.preparation import write_index
-
-    train, validation = [(0, 11, 1, 9, 3), (1, 20, 0, 4, 4)], [(0, 10, 0, 7, 2)]
-    write_index(tmp_path / "index.safetensors", train, validation)
-    index = load_file(str(tmp_path / "index.safetensors"))
-    assert index["train"].tolist() == [[0, 1, 9], [1, 0, 4]] and index["train"].dtype == torch.int64
-    assert index["validation"].tolist() == [[0, 0, 7]]
-    write_index(tmp_path / "empty.safetensors", train, [])
-    assert load_file(str(tmp_path / "empty.safetensors"))["validation"].shape == (0, 3)
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
-    import hashlib
-
-    from draftline.preparation import split_rows
-
-    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
-    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
-    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
-    assert [r[1] for r in validation] == by_hash[:3]
-    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
-        split_rows(rows(2), 0.0, seed=0, min_validation=2)
-
-
-def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
-    from safetensors.torch import load_file
-
-    from draftline.preparation import validate_shard, write_index
-
-    path = tmp_path / "one.safetensors"
-    save_file({"hidden_states": torch.zeros(3, 2, 4), "input_ids": torch.arange(3),
-               "loss_mask": torch.ones(3, dtype=torch.uint8), "sample_offsets": torch.tensor([0, 1, 3]),
-               "sample_ids": torch.tensor([5, 6])}, str(path))
-    assert validate_shard(path, 2, 4) == [(5, 0, 1, 1), (6, 1, 2, 2)]
-    write_index(tmp_path / "index.safetensors", [(0, 5, 0, 1, 1)], [])
-    index = load_file(str(tmp_path / "index.safetensors"))
-    assert index["validation"].dtype == torch.int64 and index["validation"].shape == (0, 3)
 
 
 def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
@@ -174,7 +131,7 @@ def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
     the rows' order (the lowest-hash fallback is only for fewer)."""
     import hashlib
 
-    from draftline.preparation import split_rows
+    from draftline.prepare import split_rows
 
     def coin(seed, i):
         return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
@@ -186,3 +143,51 @@ def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
     fraction = (coin(seed, lowest[1]) + coin(seed, lowest[2])) / 2  # exactly two win
     _, validation = split_rows(rows(15), fraction, seed=seed, min_validation=2)
     assert [r[1] for r in validation] == sorted(lowest[:2])
+
+
+def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
+    from draftline.prepare import split_rows
+
+    train, validation = split_rows(rows(5), 0.0, seed=0, min_validation=2)
+    assert len(validation) == 2 and len(train) == 3
+    assert {r[1] for r in train} | {r[1] for r in validation} == set(range(5))
+    assert split_rows(rows(5), 0.0, seed=0, min_validation=2) == (train, validation)
+    with pytest.raises(ValueError, match="no training samples left"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
+    import hashlib
+
+    from draftline.prepare import split_rows
+
+    many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
+    _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
+    by_hash = sorted(range(15), key=lambda i: hashlib.sha256(f"4:{i}".encode()).digest())
+    assert [r[1] for r in validation] == by_hash[:3]
+    with pytest.raises(ValueError, match="^no training samples left after the validation split$"):
+        split_rows(rows(2), 0.0, seed=0, min_validation=2)
+
+
+def test_samples_without_masked_tokens_are_dropped_from_both_splits():
+    from draftline.prepare import split_rows
+
+    train, validation = split_rows(rows(50, masked=lambda i: int(i % 5 != 0)), 0.2, seed=1, min_validation=1)
+    kept = {r[1] for r in train + validation}
+    assert kept == {i for i in range(50) if i % 5 != 0}
+
+
+def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftline.prepare import write_index
+
+    train, validation = [(0, 11, 1, 9, 3), (1, 20, 0, 4, 4)], [(0, 10, 0, 7, 2)]
+    write_index(tmp_path / "index.safetensors", train, validation)
+    index = load_file(str(tmp_path / "index.safetensors"))
+    assert set(index) == {formats.TRAIN, formats.VALIDATION}
+    assert index[formats.TRAIN].tolist() == [[0, 1, 9], [1, 0, 4]]
+    assert index[formats.TRAIN].dtype == torch.int64
+    assert index[formats.VALIDATION].tolist() == [[0, 0, 7]]
+    write_index(tmp_path / "empty.safetensors", train, [])
+    assert load_file(str(tmp_path / "empty.safetensors"))[formats.VALIDATION].shape == (0, 3)

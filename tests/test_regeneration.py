@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from draftline import regeneration, tiny
+from draftline import regenerate
+from draftline.tiny import targets
 
 
 class Scripted:
@@ -26,8 +27,8 @@ class Scripted:
 
 
 def test_reply_spans():
-    assert regeneration.reply_spans([0, 1, 1, 0, 0, 1]) == [(1, 3), (5, 6)]
-    assert regeneration.reply_spans([0, 0]) == []
+    assert regenerate.reply_spans([0, 1, 1, 0, 0, 1]) == [(1, 3), (5, 6)]
+    assert regenerate.reply_spans([0, 0]) == []
 
 
 def test_every_reply_is_replaced_and_the_turns_between_are_kept():
@@ -35,7 +36,7 @@ def test_every_reply_is_replaced_and_the_turns_between_are_kept():
     ids = [10, 11, 20, 21, 9, 12, 13, 22, 9, 14]
     mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 0]
     engine = Scripted(([30, 9], True), ([31, 32, 33, 9], True))
-    new_ids, new_masks, stats = regeneration.regenerate([ids], [mask], engine, 64, None)
+    new_ids, new_masks, stats = regenerate.regenerate([ids], [mask], engine, 64, None)
     assert engine.prompts == [[10, 11], [10, 11, 30, 9, 12, 13]]  # turn 2 sees the new turn 1
     assert new_ids == [[10, 11, 30, 9, 12, 13, 31, 32, 33, 9, 14]]
     assert new_masks == [[0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0]]
@@ -46,26 +47,26 @@ def test_a_capped_reply_ends_its_sample_and_samples_never_exceed_seq_length():
     ids = [10, 11, 20, 9, 12, 22, 9]
     mask = [0, 0, 1, 1, 0, 1, 1]
     engine = Scripted(([30, 31, 32, 33], False))
-    new_ids, new_masks, stats = regeneration.regenerate([ids], [mask], engine, 6, None)
+    new_ids, new_masks, stats = regenerate.regenerate([ids], [mask], engine, 6, None)
     assert engine.caps == [4]  # seq_length 6 minus the 2-token prompt
     assert new_ids == [[10, 11, 30, 31, 32, 33]] and new_masks == [[0, 0, 1, 1, 1, 1]]
     assert (stats.capped, stats.dropped_turns) == (1, 1)
     engine = Scripted(([30], False))
-    regeneration.regenerate([ids], [mask], engine, 64, 1)
+    regenerate.regenerate([ids], [mask], engine, 64, 1)
     assert engine.caps == [1]  # max_new_tokens
 
 
 def test_an_engine_returning_more_than_the_cap_is_an_error():
     with pytest.raises(RuntimeError, match="cap of 2"):
-        regeneration.regenerate([[1, 2, 3]], [[0, 1, 1]], Scripted(([5, 6, 7], False)), 3, None)
+        regenerate.regenerate([[1, 2, 3]], [[0, 1, 1]], Scripted(([5, 6, 7], False)), 3, None)
     with pytest.raises(ValueError, match="without loss-mask"):
-        regeneration.regenerate([[1, 2]], [[0, 0]], Scripted(), 8, None)
+        regenerate.regenerate([[1, 2]], [[0, 0]], Scripted(), 8, None)
 
 
 def test_stop_ids_come_from_the_generation_config(tmp_path):
-    model = tiny.build_tiny_llama(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2,
+    model = targets.build_tiny_llama(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2,
                                   num_kv_heads=1, intermediate_size=128)
-    assert regeneration.stop_token_ids(model) == [1, 6]  # <|eos|>, <|end|>
+    assert regenerate.stop_token_ids(model) == [1, 6]  # <|eos|>, <|end|>
 
 
 @pytest.mark.vllm
@@ -74,7 +75,7 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     ends at a stop token keeps it."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny.build_tiny_llama(tmp_path / "m", num_layers=2)
+    model_dir = targets.build_tiny_llama(tmp_path / "m", num_layers=2)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(7, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
@@ -86,7 +87,7 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     try:
-        engine = regeneration.VllmReplies(
+        engine = regenerate.VllmReplies(
             str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256,
             max_num_seqs=2, max_num_batched_tokens=64, gpu_memory_utilization=0.5,
             stop_ids=[stop], seed=0)

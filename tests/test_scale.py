@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline import artifacts, launch, tiny
+from draftline.pipeline import artifacts, launch
+from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
+from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds for one stage run (imports dominate on a busy 2-core box)
@@ -103,7 +105,7 @@ def run_until_step(command: list[str], step: int) -> tuple[subprocess.Popen, lis
     lines, deadline = [], time.monotonic() + LAUNCH_TIMEOUT
     for line in process.stdout:
         lines.append(line)
-        if re.search(rf"\] - step {step}/", line):
+        if re.search(rf"\] - train {step}/\d+ steps", line):
             return process, lines
         if time.monotonic() > deadline:
             break
@@ -131,6 +133,30 @@ def test_torchrun_command_turns_nvlink_multicast_off_and_names_the_rendezvous():
     with pytest.raises(ValueError, match="rendezvous"):
         launch.torchrun_command("stages.train", [], 8, nodes=2)
     assert launch.NO_MULTICAST["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_each_rank_takes_its_own_gpu_and_its_share_of_the_token_budget(monkeypatch):
+    """The one device and budget rule of the train stage, its loop and the train benchmark."""
+    import torch
+
+    second = launch.World(rank=1, world_size=2, local_rank=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert launch.rank_device("auto") == launch.rank_device("cuda") == "cuda:0"
+    assert launch.rank_device("auto", second) == "cuda:1"
+    assert launch.rank_device("cuda:3") == "cuda:3" and launch.rank_device("cpu", second) == "cpu"
+    with pytest.raises(ValueError, match=r"^--device=cuda:0 with 2 ranks: each rank uses "
+                                         r"cuda:<local rank>, so give auto, cuda or cpu$"):
+        launch.rank_device("cuda:0", second, "--device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.rank_device("auto", second) == "cpu"
+    with pytest.raises(ValueError, match=r"^train.device=cuda but no CUDA GPU$"):
+        launch.rank_device("cuda")
+
+    assert launch.rank_tokens(512, launch.World()) == 512
+    assert launch.rank_tokens(512, second) == 256
+    with pytest.raises(ValueError, match=r"^max_tokens_per_step=513 must divide evenly among 2 "
+                                         r"processes$"):
+        launch.rank_tokens(513, second)
 
 
 def test_killed_rank_ends_the_run_with_its_traceback_and_resumes_on_one_process(prepared):
@@ -487,9 +513,9 @@ def sbatch_options(script: str) -> dict[str, str]:
 
 
 def test_slurm_scripts_run_make_targets_and_keys_that_exist():
-    from draftline import config
+    from draftline.pipeline import config
 
-    cfg = config.compose(["experiment=kimi-k2.5"])  # what deploy/slurm/common.sh's example extends
+    cfg = compose("kimi-k2.5")  # what deploy/slurm/common.sh's example extends
     scripts = {p.name: p.read_text() for p in (DEPLOY / "slurm").iterdir()}
     assert set(scripts) == {"common.sh", "submit.sh", "regenerate.sbatch", "extract.sbatch", "train.sbatch"}
     for name in scripts:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import environment
-from draftline import tiny
+from draftline.tiny import targets
 
 pytestmark = pytest.mark.vllm
 
@@ -242,8 +242,8 @@ def _save_draft(target_dir: Path, aux_ids: list[int], out_dir: Path) -> Path:
 
     Token 0 is in the draft vocabulary (draft id 0), which the agreeing pair below needs.
     """
-    from draftline import vocab
-    from draftline.train_model import build_draft
+    from draftline.tokenize import vocab
+    from draftline.train.draft import build_draft
 
     freq = torch.randint(0, 100, (512,), generator=torch.Generator().manual_seed(0))
     freq[0] = 1000
@@ -333,15 +333,15 @@ def _family(target: Path, aux_ids: list[int], **engine_kwargs) -> dict:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, engine_env):
     root = tmp_path_factory.mktemp("llama")
-    return _family(tiny.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS), LLAMA_AUX_IDS)
+    return _family(targets.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS), LLAMA_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory, engine_env):
     root = tmp_path_factory.mktemp("dsv3")
     # rope_scaling=None: plain RotaryEmbedding through vLLM's CPU kernel (patch 0003).
-    target = tiny.build_tiny_deepseek_v3(root / "target", num_layers=DSV3_LAYERS)
-    assert tiny.load_hf_model(target).config.rope_scaling is None
+    target = targets.build_tiny_deepseek_v3(root / "target", num_layers=DSV3_LAYERS)
+    assert targets.load_hf_model(target).config.rope_scaling is None
     return _family(target, DSV3_AUX_IDS)
 
 
@@ -353,7 +353,7 @@ def agreeing(tmp_path_factory, engine_env):
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("agreeing")
-    target = tiny.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS)
+    target = targets.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS)
     weights = load_file(str(target / "model.safetensors"))
     weights["lm_head.weight"].zero_()
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
@@ -378,9 +378,9 @@ def test_a_draft_that_always_agrees_is_always_accepted(agreeing):
 def kimi(tmp_path_factory, engine_env):
     """Kimi-K2.5 (KimiK25ForConditionalGeneration around a tiny DeepseekV3), text-only."""
     root = tmp_path_factory.mktemp("kimi")
-    target = tiny.build_tiny_kimi_k25(root / "target", num_layers=DSV3_LAYERS)
+    target = targets.build_tiny_kimi_k25(root / "target", num_layers=DSV3_LAYERS)
     return {**_family(target, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY),
-            "hf": tiny.load_hf_kimi_k25_language_model(target)}
+            "hf": targets.load_hf_kimi_k25_language_model(target)}
 
 
 @pytest.fixture(params=["llama", "deepseek", "kimi"])
@@ -426,7 +426,7 @@ def test_served_aux_hidden_states_equal_hf_training_features(served):
     captured = served["spec"]["aux"]
     assert captured, "the target returned no aux hidden states"
     aux = captured[0]  # the prefill of the capture prompt
-    hf = tiny.hf_hidden_states(served["hf"] if "hf" in served else served["target"], prompt)
+    hf = targets.hf_hidden_states(served["hf"] if "hf" in served else served["target"], prompt)
     assert len(aux) == len(served["aux_ids"])
     for slot, layer in enumerate(served["aux_ids"]):
         got = aux[slot][: len(prompt)]
@@ -458,7 +458,7 @@ def test_served_aux_hidden_states_equal_the_extracted_rows(served, request):
 
 def test_deepseek_v3_greedy_replies_match_hf_generate(deepseek):
     """rope_scaling=None DeepseekV3 through LLM (CPU rotary kernel) equals HF's greedy."""
-    model = tiny.load_hf_model(deepseek["target"])
+    model = targets.load_hf_model(deepseek["target"])
     for prompt, served_reply in list(zip(_prompts(), deepseek["plain"]["greedy"]))[:4]:
         # Plain greedy with no stop tokens (the engine ran with ignore_eos=True).
         ids = list(prompt)

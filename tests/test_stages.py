@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from draftline import tiny
+from draftline.tiny import targets
+
+from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +23,7 @@ def run_stage(stage: str, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return tiny.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -128,3 +130,30 @@ def test_remote_code_tokenizer_is_refused_unless_asked_for(tmp_path, remote_code
     assert extract.returncode != 0
     assert "RemoteCodeRefused" in extract.stdout + extract.stderr
     assert "Initializing executor" not in extract.stdout + extract.stderr
+
+
+def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
+    """<run_dir>/draft names the draft the train manifest names, relative (the run dir moves and
+    mounts as one), and is swapped in one step; a real directory there is never replaced."""
+    import os
+
+    from draftline.pipeline import artifacts, config
+    from stages import train as train_stage
+
+    run_dir = tmp_path / "runs" / "x"
+    cfg = compose("tiny", f"run_dir={run_dir}")
+    for key in ("0123456789ab", "ba9876543210"):
+        draft = run_dir / "train" / key / "draft"
+        draft.mkdir(parents=True)
+        (draft / "config.json").write_text(key)
+        artifacts.write_json(run_dir / "train" / artifacts.MANIFEST, {"draft": str(draft)})
+        link = train_stage.link_draft(cfg)
+        assert link == run_dir / "draft" and link.is_symlink()
+        assert os.readlink(link) == f"train/{key}/draft"
+        assert (link / "config.json").read_text() == key
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []  # no temp link left
+    link.unlink()
+    link.mkdir()
+    with pytest.raises(FileExistsError):
+        train_stage.link_draft(cfg)
+    assert link.is_dir() and not link.is_symlink()

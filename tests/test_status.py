@@ -1,5 +1,5 @@
 """`make status` / `make accept` / the stamps, in-process: the exact reasons and lines, the
-deps.json mtime rule, what accept records, the stamp cache, the CLIs; and draftline.deps's
+deps.json mtime rule, what accept records, the stamp cache, the CLIs; and draftline.pipeline.deps's
 record (loaded, current, differences) on hand-made records and throwaway packages.
 
 Run dirs are hand-made manifests under tmp_path (as in test_deps.py); nothing loads a model.
@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from draftline import artifacts, config, deps, embedded, status, tiny
+from draftline import patchq
+from draftline.pipeline import artifacts, config, deps, status
+from draftline.tiny import embedded, targets
 
 REPO = deps.REPO
 STAGES = config.STAGES
 T0 = 1_700_000_000 * 10**9  # ns; manifests get mtimes T0, T0 + 1 s, ... in pipeline order
 SECOND = 10**9
-CODE = "draftline/status.py"  # a project file every hand-made record depends on
+CODE = "draftline/pipeline/status.py"  # a project file every hand-made record depends on
 
 
 def _set_mtime(path: Path, ns: int) -> None:
@@ -82,7 +84,7 @@ def test_status_names_each_reason_and_marks_what_follows_a_stale_stage(tmp_path)
     assert status.show_status(run) == [
         "  tokenize: STALE - config k: 1 -> 2",
         "regenerate: STALE - an upstream stage is stale",
-        "   extract: STALE - config new: null -> true; code draftline/status.py changed",
+        "   extract: STALE - config new: null -> true; code draftline/pipeline/status.py changed",
         "   prepare: STALE - an upstream stage is stale",
         "     train: STALE - never run (no manifest)",
         "  evaluate: STALE - never run (no manifest)",
@@ -101,7 +103,7 @@ def test_stale_reasons_in_order_upstream_config_dependencies(tmp_path):
     artifacts.write_json(extract / artifacts.STAMP, {"k": 3})
     _edit_record(extract, _stale_code)
     assert status.stale_reasons(extract, upstream, []) == [
-        "regenerate's outputs are newer", "config k: 1 -> 3", "code draftline/status.py changed"]
+        "regenerate's outputs are newer", "config k: 1 -> 3", "code draftline/pipeline/status.py changed"]
     # An upstream stage without outputs: this stage's inputs are gone.
     assert status.stale_reasons(extract, run / "tokenize", [])[0] == "tokenize's outputs are newer"
 
@@ -202,14 +204,14 @@ def test_accept_records_what_it_kept_and_leaves_mtimes_alone(tmp_path):
     previous = _edit_record(prepare, _stale_code)
     status.sync_deps_stamp(prepare, [])
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    assert status.accept(run, "prepare") == ["code draftline/status.py changed"]
+    assert status.accept(run, "prepare") == ["code draftline/pipeline/status.py changed"]
     manifest = artifacts.read_json(manifest_path)
     (entry,) = manifest["accepted"]
     assert set(entry) == {"at", "by", "host", "differences", "previous"}
     at = datetime.datetime.fromisoformat(entry["at"])
     assert entry["at"].endswith("+00:00") and before <= at <= before + datetime.timedelta(minutes=5)
     assert entry["by"] == getpass.getuser() and entry["host"] == platform.node()
-    assert entry["differences"] == ["code draftline/status.py changed"]
+    assert entry["differences"] == ["code draftline/pipeline/status.py changed"]
     assert entry["previous"] == previous
     assert manifest["provenance"]["deps"] == deps.current(previous)
     assert manifest_path.stat().st_mtime_ns == T0 + 3 * SECOND
@@ -249,7 +251,7 @@ def test_accept_compares_with_the_stage_just_upstream(tmp_path):
     _set_mtime(run / "tokenize" / artifacts.MANIFEST, T0 + 20 * SECOND)
     with pytest.raises(ValueError, match="rerun the stage for: tokenize's outputs are newer$"):
         status.accept(run, "regenerate")
-    assert status.accept(run, "tokenize") == ["code draftline/status.py changed"]  # first: no upstream
+    assert status.accept(run, "tokenize") == ["code draftline/pipeline/status.py changed"]  # first: no upstream
 
 
 def test_accept_refuses_what_it_cannot_keep(tmp_path):
@@ -346,7 +348,7 @@ def _package(root: Path, name: str, patches: list[dict] | None, init: str = "") 
     (pkg / "__init__.py").write_text(init)
     (pkg / "sub.py").write_text("")
     if patches is not None:
-        (pkg / "DRAFTLINE_PATCHES.json").write_text(json.dumps({"format": 1, "patches": patches}))
+        (pkg / patchq.RECORD_NAME).write_text(json.dumps({"format": 1, "patches": patches}))
     return pkg
 
 
@@ -360,9 +362,9 @@ def test_applied_queue_reads_the_appliers_record(tmp_path, monkeypatch):
     assert deps.applied_queue("dl_fake_unpatched") is None
     assert deps.applied_queue("dl_fake_namespace") is None
     assert deps.applied_queue("dl_fake_not_installed_anywhere") is None
-    # The real one, as `make setup` applied it: patches/*.diff in order, by their bytes.
+    # The real one, as `make setup` applied it: patches/speculators/*.diff in order, by their bytes.
     assert deps.applied_queue("speculators") == [
-        f"{p.name}@{_sha(p)}" for p in sorted((REPO / "patches").glob("*.diff"))]
+        f"{p.name}@{_sha(p)}" for p in sorted((REPO / "patches" / "speculators").glob("*.diff"))]
 
 
 def test_project_file_is_a_project_source_file_or_none(tmp_path):
@@ -372,7 +374,7 @@ def test_project_file_is_a_project_source_file_or_none(tmp_path):
             mod.__file__ = file
         return mod
 
-    assert deps._project_file(status) == REPO / "draftline/status.py"
+    assert deps._project_file(status) == REPO / "draftline/pipeline/status.py"
     assert deps._project_file(module(str(REPO / "stages/train.py"))) == REPO / "stages/train.py"
     assert deps._project_file(module(str(REPO / "tests/test_status.py"))) is None  # in the repo, not project
     assert deps._project_file(module(str(REPO / "draftline/_ext.so"))) is None
@@ -395,15 +397,15 @@ def test_loaded_records_this_process(tmp_path, monkeypatch):
              init="from . import sub\nraise ImportError('half imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(deps, "PATCHED", ("dl_fake_patched", "dl_fake_broken", "speculators"))
-    _forget(monkeypatch, "speculators", "dl_fake_patched", "dl_fake_broken", "draftline.tiny")
+    _forget(monkeypatch, "speculators", "dl_fake_patched", "dl_fake_broken", "draftline.tiny.targets")
     importlib.import_module("dl_fake_patched")
     with pytest.raises(ImportError, match="half imported"):
         importlib.import_module("dl_fake_broken")
     assert "dl_fake_broken.sub" in sys.modules and "dl_fake_broken" not in sys.modules
 
     recorded = deps.loaded([gate])
-    assert {"draftline/deps.py", "draftline/status.py", "draftline/__init__.py"} <= set(recorded["code"])
-    assert "draftline/tiny.py" not in recorded["code"]
+    assert {"draftline/pipeline/deps.py", "draftline/pipeline/status.py", "draftline/__init__.py"} <= set(recorded["code"])
+    assert "draftline/tiny/targets.py" not in recorded["code"]
     assert all((REPO / name).is_file() and name.split("/")[0] in deps.PROJECT for name in recorded["code"])
     assert recorded["code"][CODE] == _sha(REPO / CODE)
     assert recorded["packages"]["pytest"] == importlib.metadata.version("pytest")
@@ -419,15 +421,15 @@ def test_loaded_keeps_the_names_of_the_run_it_resumed(tmp_path, monkeypatch):
     _package(tmp_path, "dl_fake_patched", [{"name": "0001-a.diff", "sha256": "aa"}])
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(deps, "PATCHED", ("dl_fake_patched", "speculators"))
-    _forget(monkeypatch, "speculators", "dl_fake_patched", "draftline.tiny")
+    _forget(monkeypatch, "speculators", "dl_fake_patched", "draftline.tiny.targets")
     importlib.import_module("dl_fake_patched")
     plain = deps.loaded()
     unused = next(name for name in sorted(deps._installed()) if name not in plain["packages"])
-    previous = {"code": {"draftline/tiny.py": "x", "draftline/gone.py": "y"},
+    previous = {"code": {"draftline/tiny/targets.py": "x", "draftline/gone.py": "y"},
                 "packages": {unused: "0", "not-installed-anywhere": "1"},
                 "patches": {"speculators": None, "not-a-patched-package": None}}
     recorded = deps.loaded(previous=previous)
-    assert set(recorded["code"]) == set(plain["code"]) | {"draftline/tiny.py"}
+    assert set(recorded["code"]) == set(plain["code"]) | {"draftline/tiny/targets.py"}
     assert set(recorded["packages"]) == set(plain["packages"]) | {unused}
     assert "pytest" in recorded["packages"]
     assert set(recorded["patches"]) == {"dl_fake_patched", "speculators"} == set(plain["patches"]) | {"speculators"}
@@ -495,7 +497,7 @@ def test_stat_key_and_environment_files(tmp_path):
     site, *records = status._environment_files()
     assert site.is_dir() and (site / "speculators").is_dir()
     # The records the cache watches are the ones deps.applied_queue reads.
-    assert records == [Path(importlib.util.find_spec(p).origin).parent / "DRAFTLINE_PATCHES.json"
+    assert records == [Path(importlib.util.find_spec(p).origin).parent / patchq.RECORD_NAME
                        for p in ("speculators", "vllm")]
     assert all(record.is_file() for record in records)
     assert status._cache_path("tiny") == Path("runs/tiny/.stamp-cache.json")
@@ -546,7 +548,7 @@ def test_ensure_assets_builds_only_what_is_missing(tmp_path, monkeypatch, build)
 
     built = []
     for name in ("build_tiny_llama", "build_tiny_deepseek_v3", "build_tiny_kimi_k25"):
-        monkeypatch.setattr(tiny, name, lambda out, *, num_layers, _n=name: built.append((_n, out, num_layers)))
+        monkeypatch.setattr(targets, name, lambda out, *, num_layers, _n=name: built.append((_n, out, num_layers)))
     model_dir, data = tmp_path / "model", tmp_path / "conversations.jsonl"
     cfg = OmegaConf.create({"model": {"path": str(model_dir), "build": build, "num_layers": 3},
                             "data": {"path": str(data), "build": "stdlib_docstrings", "max_bytes": 5000},
@@ -620,6 +622,8 @@ def test_assets_cli_builds_the_embedded_set_once_then_skips(tmp_path, monkeypatc
     assert _main(monkeypatch, status, ["assets", "tiny"]) == 0
     assert _sha(data) == _sha(embedded.DATA_DIR / embedded.CONVERSATIONS)
     assert model.read_text() == "{}"
+    # Its record is the Makefile's $(EXP_ASSETS), under the run dir: the file Make's rule names.
+    assert sorted(p.name for p in Path("runs/tiny").iterdir()) == [".assets-cache.json"]
     built = data.stat().st_mtime_ns
     calls = []
     monkeypatch.setattr(status, "ensure_assets", calls.append)
@@ -653,7 +657,7 @@ def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):
     assert _main(monkeypatch, status, ["show", str(run)]) == 0
     assert capsys.readouterr().out.splitlines() == status.show_status(run)
     assert _main(monkeypatch, status, ["accept", str(run), "regenerate"]) == 0
-    assert capsys.readouterr().out == "regenerate: accepted code draftline/status.py changed\n"
+    assert capsys.readouterr().out == "regenerate: accepted code draftline/pipeline/status.py changed\n"
     # No command: the help, with the three commands and no shell-completion options.
     assert _main(monkeypatch, status, []) != 0
     shown = capsys.readouterr()
@@ -663,10 +667,10 @@ def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_deps_cli(tmp_path, capsys):
-    deps.main(["files", "draftline.status"])
+    deps.main(["files", "draftline.pipeline.status"])
     listed = capsys.readouterr().out.splitlines()
-    assert listed == [str(p.relative_to(REPO)) for p in deps.closure(["draftline.status"])]
-    assert {"draftline/status.py", "draftline/deps.py", "draftline/tiny.py"} <= set(listed)
+    assert listed == [str(p.relative_to(REPO)) for p in deps.closure(["draftline.pipeline.status"])]
+    assert {"draftline/pipeline/status.py", "draftline/pipeline/deps.py", "draftline/tiny/targets.py"} <= set(listed)
     stage_dir = tmp_path / "extract"
     record = deps.current({"code": {CODE: None}})
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
@@ -675,7 +679,7 @@ def test_deps_cli(tmp_path, capsys):
     record["code"][CODE], record["python"] = "0", "2.7"
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
     deps.main(["show", str(stage_dir)])
-    assert capsys.readouterr().out == f"code draftline/status.py changed\npython 2.7 -> {platform.python_version()}\n"
+    assert capsys.readouterr().out == f"code draftline/pipeline/status.py changed\npython 2.7 -> {platform.python_version()}\n"
     for argv in ([], ["files"], ["show"], ["show", "a", "b"], ["other", "x"]):
-        with pytest.raises(SystemExit, match="^" + re.escape("usage: python -m draftline.deps files MODULE... | show STAGE_DIR") + "$"):
+        with pytest.raises(SystemExit, match="^" + re.escape("usage: python -m draftline.pipeline.deps files MODULE... | show STAGE_DIR") + "$"):
             deps.main(argv)

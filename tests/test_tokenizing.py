@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from draftline import chat, tiny
-from draftline.conversations import DEFAULT_ROLES, DataError
-from draftline.data_sources import open_source
-from draftline.tokenizing import Budget, tokenize_source
+from draftline.tiny import targets
+from draftline.tokenize import chat
+from draftline.tokenize.conversations import DEFAULT_ROLES, DataError
+from draftline.tokenize.encode import Budget, tokenize_source
+from draftline.tokenize.sources import open_source
 
 QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 
@@ -18,7 +19,7 @@ QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tok") / "model"
-    tiny.build_tokenizer(directory)
+    targets.build_tokenizer(directory)
     return directory
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftline.train_model import build_draft, resolve_precision
-from draftline.training import make_session
+from draftline.train.draft import build_draft, resolve_precision
+from draftline.train.loop import make_session
 from test_training import AUX_IDS, MAX_TOKENS, _train, data, one_torch_thread  # noqa: F401
 
 STEPS = 5

@@ -7,6 +7,7 @@ index and a vocab mapping.
 """
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -17,20 +18,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftline import tiny
-from draftline.train_data import (
+from draftline import formats
+from draftline.evaluate.in_vllm import check_vllm_parse
+from draftline.formats import load_split
+from draftline.tiny import targets as tiny
+from draftline.train.loader import (
     MappedShard,
     PackedLoader,
     ShardSampleDataset,
-    load_split,
     make_loader,
     make_sampler,
     plan_steps,
     steps_in_epochs,
 )
-from draftline.train_checkpoint import latest_checkpoint
-from draftline.train_model import build_draft, check_draft_with_vllm, set_attention
-from draftline.training import train
+from draftline.train.checkpoint import latest_checkpoint
+from draftline.train.draft import build_draft, set_attention
+from draftline.train.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 AUX_IDS = [2, 3, 4]
@@ -66,7 +69,7 @@ def _hidden_slots(model, ids: list[int]) -> torch.Tensor:
     """[T, 4, H]: inputs of the aux layers, then the final state after the final norm."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny)
+    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny.targets)
     return torch.stack([states[i][0] for i in AUX_IDS] + [states[-1][0]], dim=1)
 
 
@@ -83,11 +86,11 @@ def write_shards(root: Path, verifier_dir: Path, lengths: list[list[int]]) -> li
         dtype = torch.bfloat16 if shard == 0 else torch.float32
         offsets = torch.tensor([0] + shard_lengths).cumsum(0)
         tensors = {
-            "hidden_states": torch.cat([_hidden_slots(model, s) for s in ids]).to(dtype),
-            "input_ids": torch.tensor(sum(ids, []), dtype=torch.int64),
-            "loss_mask": torch.tensor(sum(masks, []), dtype=torch.uint8),
-            "sample_offsets": offsets.to(torch.int64),
-            "sample_ids": torch.arange(sample_id, sample_id + len(ids), dtype=torch.int64),
+            formats.HIDDEN_STATES: torch.cat([_hidden_slots(model, s) for s in ids]).to(dtype),
+            formats.INPUT_IDS: torch.tensor(sum(ids, []), dtype=torch.int64),
+            formats.LOSS_MASK: torch.tensor(sum(masks, []), dtype=torch.uint8),
+            formats.SAMPLE_OFFSETS: offsets.to(torch.int64),
+            formats.SAMPLE_IDS: torch.arange(sample_id, sample_id + len(ids), dtype=torch.int64),
         }
         sample_id += len(ids)
         paths.append(root / f"shard-{shard:05d}.safetensors")
@@ -100,7 +103,7 @@ def write_split_index(path: Path, train_rows, validation_rows) -> Path:
         return torch.tensor([(s, r, SHARD_LENGTHS[s][r]) for s, r in pairs],
                             dtype=torch.int64).reshape(-1, 3)
 
-    save_file({"train": rows(train_rows), "validation": rows(validation_rows)}, str(path))
+    formats.write_split_index(path, rows(train_rows), rows(validation_rows))
     return path
 
 
@@ -111,7 +114,7 @@ def write_vocab_mapping(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     d2t = selected - torch.arange(DRAFT_VOCAB)
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[selected] = True
-    save_file({"d2t": d2t, "t2d": t2d}, str(path))
+    formats.write_vocab_mapping(path, d2t, t2d)
     return d2t, t2d
 
 
@@ -140,13 +143,13 @@ def _train(data, out_dir: Path, split: str, **kwargs) -> dict:
 
 
 def test_dataset_yields_shifted_speculators_samples(data):
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     item = dataset[4]  # shard 0, row 4: 70 tokens starting at 100 + 130 + 90 + 150
     start, length = 470, 70
     with safe_open(str(data["shards"][0]), framework="pt") as f:
-        slots = f.get_tensor("hidden_states")[start:start + length].float()  # [T, 4, H]
-        ids = f.get_tensor("input_ids")[start:start + length]
-        mask = f.get_tensor("loss_mask")[start:start + length]
+        slots = f.get_tensor(formats.HIDDEN_STATES)[start:start + length].float()  # [T, 4, H]
+        ids = f.get_tensor(formats.INPUT_IDS)[start:start + length]
+        mask = f.get_tensor(formats.LOSS_MASK)[start:start + length]
     # speculators' shift: token t+1 is predicted from the aux states of token t.
     assert torch.equal(item["hidden_states"], slots[:-1, :3].reshape(length - 1, 3 * HIDDEN))
     assert torch.equal(item["verifier_last_hidden_states"], slots[1:, 3])
@@ -157,7 +160,7 @@ def test_dataset_yields_shifted_speculators_samples(data):
 
 
 def test_packing_respects_token_budget(data):
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     batches = list(make_sampler(dataset.lengths, MAX_TOKENS, seed=0))
     assert sorted(i for b in batches for i in b.tolist()) == list(range(len(dataset)))
     for batch in make_loader(dataset, batches, MAX_TOKENS):
@@ -167,7 +170,7 @@ def test_packing_respects_token_budget(data):
 
 
 def test_step_plan_is_a_pure_function_of_seed_and_steps(data):
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     sampler = make_sampler(dataset.lengths, MAX_TOKENS, seed=0)
     full = plan_steps(sampler, 0, 10)
     assert [epoch for epoch, _ in full] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # step 5 is mid-epoch
@@ -201,7 +204,7 @@ def _assert_same_batch(packed: dict, reference: dict) -> None:
 @pytest.mark.parametrize("max_tokens", [MAX_TOKENS, 96])  # 96: samples cut at the budget
 def test_packed_loader_matches_speculators_collate(data, threads, max_tokens):
     """Same batches as DataLoader + speculators' collate, also when the ring buffers wrap."""
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     batches = _planned(dataset, max_tokens)
     packed = PackedLoader(dataset, batches, max_tokens, threads=threads, prefetch=1)
     reference = make_loader(dataset, batches, max_tokens)
@@ -214,7 +217,7 @@ def test_packed_loader_matches_speculators_collate(data, threads, max_tokens):
 
 def test_packed_loader_keeps_bf16_until_the_device(data):
     """bf16 shards stay bf16 through packing; the cast happens where the batch lands."""
-    dataset = ShardSampleDataset(data["shards"], load_split(data["small"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["small"], formats.TRAIN))
     assert dataset.storage_dtype == torch.bfloat16
     batches = _planned(dataset, MAX_TOKENS, steps=2)
     raw = next(iter(PackedLoader(dataset, batches, MAX_TOKENS, threads=1)))
@@ -228,7 +231,7 @@ def test_packed_loader_on_cuda_matches_reference(data):
     """Pinned buffers, side-stream copies one batch ahead, cast on the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     batches = _planned(dataset, MAX_TOKENS)
     packed = PackedLoader(dataset, batches, MAX_TOKENS, "cuda", torch.float32, threads=2,
                           prefetch=1)
@@ -240,17 +243,16 @@ def test_packed_loader_on_cuda_matches_reference(data):
 
 def test_split_index_must_match_shards(data, tmp_path):
     bad = tmp_path / "bad.safetensors"
-    save_file({"train": torch.tensor([[0, 1, 999]]), "validation": torch.zeros(0, 3).long()},
-              str(bad))
+    formats.write_split_index(bad, torch.tensor([[0, 1, 999]]), torch.zeros(0, 3).long())
     with pytest.raises(ValueError, match="index says 999"):
-        ShardSampleDataset(data["shards"], load_split(bad, "train"))
+        ShardSampleDataset(data["shards"], load_split(bad, formats.TRAIN))
 
 
 # --------------------------------------------------------------------------- model
 
 
 def test_dense_sdpa_matches_speculators_flex_attention(data):
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     batch = next(iter(make_loader(dataset, list(make_sampler(dataset.lengths, MAX_TOKENS, 0)),
                                   MAX_TOKENS)))
     draft = build_draft(data["verifier"], AUX_IDS, data["d2t"], data["t2d"])
@@ -270,10 +272,10 @@ def test_draft_targets_are_the_verifier_logits(data):
     """The final slot is post-norm, so the draft's verifier head reproduces the target."""
     from transformers import AutoModelForCausalLM
 
-    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], "train"))
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
     item = dataset[5]  # shard 1 (float32), row 0
     with safe_open(str(data["shards"][1]), framework="pt") as f:
-        ids = f.get_tensor("input_ids")[:SHARD_LENGTHS[1][0]]
+        ids = f.get_tensor(formats.INPUT_IDS)[:SHARD_LENGTHS[1][0]]
     verifier = AutoModelForCausalLM.from_pretrained(str(data["verifier"]), dtype=torch.float32)
     with torch.no_grad():
         logits = verifier(input_ids=ids[None]).logits[0, 1:]  # [T-1, vocab], shifted like item
@@ -374,6 +376,22 @@ def test_old_checkpoints_are_pruned(uninterrupted):
     assert names == ["step-00000008", "step-00000010"]
 
 
+def test_a_steps_log_line_carries_its_progress_loss_per_ttt_step_and_lr(caplog):
+    from draftline.pipeline.progress import Progress
+    from draftline.train.loop import _step_detail
+
+    clock = iter([0.0, 2.0, 2.0])
+    progress = Progress("train", 10, 4, unit="steps", interval=0.0,
+                        logger=logging.getLogger("draftline.train.loop"), clock=lambda: next(clock))
+    metrics = {"loss": 1.5, "loss_0": 0.75, "full_acc_0": 0.5, "cond_acc_0": 0.5,
+               "loss_1": 0.25, "full_acc_1": 0.125, "cond_acc_1": 0.25}
+    with caplog.at_level(logging.INFO, "draftline.train.loop"):
+        progress.advance_to(5, 400, _step_detail(metrics, 3e-4, 2))
+    assert caplog.messages == [
+        "train 5/10 steps (0.50 steps/s, 200 tok/s, ETA 0:00:10) | loss 1.5000 | "
+        "ttt0 loss 0.7500 acc 0.500 cond 0.500 | ttt1 loss 0.2500 acc 0.125 cond 0.250 | lr 3.00e-04"]
+
+
 def test_resume_refuses_a_different_run(data, uninterrupted):
     with pytest.raises(ValueError, match="different run"):
         _train(data, uninterrupted[0], "full", lr=2e-3)
@@ -396,12 +414,12 @@ def test_saved_draft_config_and_vllm(data, uninterrupted):
     expected = {"architectures": ["Eagle3LlamaForCausalLM"],
                 "eagle_aux_hidden_state_layer_ids": AUX_IDS, "draft_vocab_size": DRAFT_VOCAB}
     assert result["vllm"] == expected and result["skipped"] == []
-    assert check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
+    assert check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB) == expected
     # What vLLM reads is compared, not only parsed: other ids or another vocabulary size fail.
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
-        check_draft_with_vllm(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
+        check_vllm_parse(draft_dir, [a + 1 for a in AUX_IDS], DRAFT_VOCAB)
     with pytest.raises(ValueError, match="vLLM reads .* expected"):
-        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
+        check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB * 2)
 
 
 def test_a_vllm_parse_that_did_not_run_is_listed_as_skipped(data, tmp_path):
@@ -436,4 +454,4 @@ def test_a_draft_config_vllm_would_read_otherwise_is_refused(uninterrupted, tmp_
     (draft_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"'eagle_aux_hidden_state_layer_ids': \[" +
                        ", ".join(str(i) for i in reversed(AUX_IDS))):
-        check_draft_with_vllm(draft_dir, AUX_IDS, DRAFT_VOCAB)
+        check_vllm_parse(draft_dir, AUX_IDS, DRAFT_VOCAB)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.vocab import coverage, draft_vocab_mapping, token_frequencies, validate_mapping
+from draftline.tokenize.vocab import coverage, draft_vocab_mapping, token_frequencies, validate_mapping
 
 # --------------------------------------------------------------------------- frequencies
 
@@ -34,6 +34,15 @@ def test_frequencies_count_only_masked_tokens():
     ],
 )
 def test_frequency_errors_name_the_sample(sample, message):
+    with pytest.raises(ValueError, match=message):
+        token_frequencies([([0], [1]), sample], vocab_size=5)
+
+
+@pytest.mark.parametrize("sample, message", [
+    (([1, 2], [[1, 1]]), r"^sample 1: loss_mask must be 1-D, got shape \(1, 2\)$"),
+    (([1, 5], [1, 1]), r"^sample 1: token id 5 outside \[0, 5\)$"),  # the vocab size itself
+])
+def test_mask_shape_and_the_first_id_past_the_vocab_are_refused_by_name(sample, message):
     with pytest.raises(ValueError, match=message):
         token_frequencies([([0], [1]), sample], vocab_size=5)
 
@@ -119,6 +128,14 @@ def test_mapping_rejects_bad_arguments(freq, size, message):
         draft_vocab_mapping(freq, size)
 
 
+def test_a_vocab_of_one_is_allowed_and_of_zero_refused():
+    assert token_frequencies([([0, 0], [1, 1])], vocab_size=1).tolist() == [2]
+    with pytest.raises(ValueError, match=r"^vocab_size must be >= 1, got 0$"):
+        token_frequencies([], vocab_size=0)
+    with pytest.raises(ValueError, match=r"^freq counts no tokens, so coverage is undefined$"):
+        coverage(torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool))
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -164,6 +181,12 @@ def test_validate_accepts_a_built_mapping():
     validate_mapping(*_valid(), target_vocab_size=6, draft_vocab_size=3)
 
 
+def test_a_repeated_target_is_refused_as_not_ascending():
+    d2t, t2d = _valid()  # targets 0, 2, 4
+    with pytest.raises(ValueError, match="not strictly ascending at draft index 1: 0 then 0"):
+        validate_mapping(torch.tensor([0, -1, 2]), t2d, target_vocab_size=6, draft_vocab_size=3)
+
+
 # --------------------------------------------------------------------------- coverage
 
 
@@ -179,29 +202,3 @@ def test_coverage_errors():
         coverage(torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"t2d must be bool \[3\]"):
         coverage(torch.ones(3, dtype=torch.long), torch.ones(4, dtype=torch.bool))
-
-
-# --------------------------------------------------------------------------- edges that mutants found
-
-
-@pytest.mark.parametrize("sample, message", [
-    (([1, 2], [[1, 1]]), r"^sample 1: loss_mask must be 1-D, got shape \(1, 2\)$"),
-    (([1, 5], [1, 1]), r"^sample 1: token id 5 outside \[0, 5\)$"),  # the vocab size itself
-])
-def test_mask_shape_and_the_first_id_past_the_vocab_are_refused_by_name(sample, message):
-    with pytest.raises(ValueError, match=message):
-        token_frequencies([([0], [1]), sample], vocab_size=5)
-
-
-def test_a_vocab_of_one_is_allowed_and_of_zero_refused():
-    assert token_frequencies([([0, 0], [1, 1])], vocab_size=1).tolist() == [2]
-    with pytest.raises(ValueError, match=r"^vocab_size must be >= 1, got 0$"):
-        token_frequencies([], vocab_size=0)
-    with pytest.raises(ValueError, match=r"^freq counts no tokens, so coverage is undefined$"):
-        coverage(torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool))
-
-
-def test_a_repeated_target_is_refused_as_not_ascending():
-    d2t, t2d = _valid()  # targets 0, 2, 4
-    with pytest.raises(ValueError, match="not strictly ascending at draft index 1: 0 then 0"):
-        validate_mapping(torch.tensor([0, -1, 2]), t2d, target_vocab_size=6, draft_vocab_size=3)

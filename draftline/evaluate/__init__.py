@@ -1,0 +1,1 @@
+"""evaluate's library: the offline walk, the draft rollout, statistics, the vLLM check."""

@@ -1,0 +1,1 @@
+"""extract's library: target hidden states into resumable safetensors shards."""

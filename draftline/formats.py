@@ -1,0 +1,198 @@
+"""Every file that crosses a stage boundary, written and read here only.
+
+* tokenized samples (tokenize, regenerate -> regenerate, extract): flat ids, masks, offsets;
+* hidden-state shards (extract -> prepare, train, evaluate);
+* the split index (prepare -> train, evaluate);
+* the vocab mapping (tokenize, regenerate -> train, report).
+
+Each key is named once below; a stage that spells one itself would silently read nothing
+after a rename here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftline.pipeline.artifacts import atomic_path
+
+# --------------------------------------------------------------------------- tokenized samples
+INPUT_IDS = "input_ids"  # int64 [tokens], all samples back to back
+LOSS_MASK = "loss_mask"  # uint8 [tokens], 1 on tokens the draft learns (assistant replies)
+SAMPLE_OFFSETS = "sample_offsets"  # int64 [samples + 1]: sample i is [offsets[i], offsets[i+1])
+
+
+def write_samples(path: str | Path, input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
+    """Flat ``input_ids`` int64 [total], ``loss_mask`` uint8 [total], ``sample_offsets`` [n+1]."""
+    lengths = torch.tensor([len(ids) for ids in input_ids], dtype=torch.int64)
+    tensors = {
+        INPUT_IDS: torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int64),
+        LOSS_MASK: torch.tensor([m for mask in loss_masks for m in mask], dtype=torch.uint8),
+        SAMPLE_OFFSETS: torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+
+
+def read_samples(path: str | Path) -> tuple[list[list[int]], list[list[int]]]:
+    tensors = load_file(str(path))
+    offsets = tensors[SAMPLE_OFFSETS].tolist()
+    ids, masks = tensors[INPUT_IDS].tolist(), tensors[LOSS_MASK].tolist()
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    return [ids[a:b] for a, b in spans], [masks[a:b] for a, b in spans]
+
+
+def write_flat_samples(path: str | Path, input_ids: np.ndarray, loss_mask: np.ndarray,
+                       offsets: np.ndarray) -> None:
+    """The layout of :func:`write_samples` from flat arrays (no per-token Python objects)."""
+    if not (len(input_ids) == len(loss_mask) == int(offsets[-1])) or offsets[0] != 0:
+        raise ValueError(f"flat samples disagree: {len(input_ids)} ids, {len(loss_mask)} mask "
+                         f"entries, offsets {offsets[0]}..{offsets[-1]}")
+    tensors = {
+        INPUT_IDS: torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)),
+        LOSS_MASK: torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
+        SAMPLE_OFFSETS: torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+
+
+# --------------------------------------------------------------------------- hidden-state shards
+# A shard holds the samples' INPUT_IDS, LOSS_MASK and SAMPLE_OFFSETS as above, plus:
+HIDDEN_STATES = "hidden_states"  # [tokens, num_slots, H]: aux slots in id order, final last
+SAMPLE_IDS = "sample_ids"  # int64 [samples]: each sample's index in the samples file
+SHARD_KEYS = (HIDDEN_STATES, INPUT_IDS, LOSS_MASK, SAMPLE_OFFSETS, SAMPLE_IDS)
+# The header metadata is one JSON string under this key (see write_shard for why).
+SHARD_METADATA = "draftline"
+FINGERPRINT = "fingerprint"  # hash of the inputs and config that made the shard
+SLOTS_NOTE = "aux layer inputs in aux_layer_ids order, then final post-norm state"
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shard_metadata(fingerprint: str, aux_layer_ids: Sequence[int], hidden_size: int) -> dict[str, str]:
+    """What a shard's header says about how it was made (all values strings)."""
+    return {
+        FINGERPRINT: fingerprint,
+        "aux_layer_ids": str(list(aux_layer_ids)),
+        "slots": SLOTS_NOTE,
+        "hidden_size": str(hidden_size),
+    }
+
+
+def pack_shard(sample_ids: Sequence[int], results: dict[int, dict],
+               loss_masks: dict[int, Sequence[int] | torch.Tensor],
+               save_dtype: str) -> dict[str, torch.Tensor]:
+    """Concatenate per-sample results (in ``sample_ids`` order) into the shard's tensors.
+
+    ``results[i]`` is what speculators' hidden-state generator returns for sample i: its
+    "hidden_states" (one [T, H] tensor per slot) and "input_ids" [T].
+    """
+    slots, ids, masks, offsets = [], [], [], [0]
+    for sample_id in sample_ids:
+        result = results[sample_id]
+        slots.append(torch.stack(result["hidden_states"], dim=1))  # [T, num_slots, H]
+        ids.append(result["input_ids"])
+        masks.append(torch.as_tensor(loss_masks[sample_id], dtype=torch.uint8))
+        offsets.append(offsets[-1] + len(result["input_ids"]))
+    return {
+        HIDDEN_STATES: torch.cat(slots).to(SAVE_DTYPES[save_dtype]).contiguous(),
+        INPUT_IDS: torch.cat(ids).to(torch.int64),
+        LOSS_MASK: torch.cat(masks),
+        SAMPLE_OFFSETS: torch.tensor(offsets, dtype=torch.int64),
+        SAMPLE_IDS: torch.tensor(sample_ids, dtype=torch.int64),
+    }
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Atomic write. The metadata goes in as one JSON string: safetensors keeps header
+    metadata in a hash map whose order changes per process, and several keys would make
+    identical shards differ byte-wise between runs."""
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(metadata, sort_keys=True)})
+
+
+def read_shard_identity(path: Path) -> tuple[dict, tuple[int, ...]]:
+    """A shard's header metadata and its sample ids, without reading its hidden states."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = json.loads((handle.metadata() or {}).get(SHARD_METADATA, "{}"))
+        return metadata, tuple(handle.get_tensor(SAMPLE_IDS).tolist())
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one shard (SHARD_KEYS), whole."""
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in SHARD_KEYS}
+
+
+def read_shard_rows(shard: Path, rows: Sequence[int], keys: Sequence[str]) -> list[dict]:
+    """The given sample rows of one shard, only ``keys``: per row {key: tensor [T, ...]}."""
+    with safe_open(str(shard), framework="pt") as handle:
+        offsets = handle.get_tensor(SAMPLE_OFFSETS)  # [samples + 1]
+        slices = {key: handle.get_slice(key) for key in keys}
+        return [{key: s[int(offsets[r]):int(offsets[r + 1])] for key, s in slices.items()}
+                for r in rows]
+
+
+# --------------------------------------------------------------------------- split index
+# One int64 [n, 3] table per split, rows (shard_index, sample_row_in_shard, length).
+TRAIN = "train"
+VALIDATION = "validation"
+SPLITS = (TRAIN, VALIDATION)
+
+
+def write_split_index(path: Path, train: torch.Tensor, validation: torch.Tensor) -> None:
+    """Both splits' tables ([n, 3] and [m, 3] int64), written atomically."""
+    with atomic_path(path) as tmp:
+        save_file({TRAIN: train, VALIDATION: validation}, str(tmp))
+
+
+def load_split(index_path: str | Path, split: str) -> torch.Tensor:
+    """Rows ``(shard_index, sample_row_in_shard, length)`` of one split: int64 [n, 3]."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rows = load_file(str(index_path))[split]
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 3:
+        raise ValueError(f"{index_path}: {split!r} must be int64 [n, 3], got "
+                         f"{rows.dtype} {list(rows.shape)}")
+    return rows
+
+
+# --------------------------------------------------------------------------- vocab mapping
+D2T = "d2t"  # int64 [draft_vocab]: target id = draft id + d2t[draft id]
+T2D = "t2d"  # bool [target_vocab]: the target ids the draft vocabulary keeps
+TOKEN_FREQ = "token_freq"  # int64 [target_vocab]: masked-token counts the mapping came from
+
+
+def write_vocab_mapping(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor,
+                        token_freq: torch.Tensor | None = None) -> None:
+    """Atomic write; the stages always record ``token_freq``, synthetic inputs may not."""
+    tensors = {D2T: d2t, T2D: t2d}
+    if token_freq is not None:
+        tensors[TOKEN_FREQ] = token_freq
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+
+
+def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d2t`` int64 [draft_vocab] (target = draft + d2t[draft]) and ``t2d`` bool [target_vocab]."""
+    tensors = load_file(str(path))
+    d2t, t2d = tensors[D2T], tensors[T2D]
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise ValueError(f"{path}: need d2t int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+    if int(t2d.sum()) != d2t.numel():
+        raise ValueError(f"{path}: t2d selects {int(t2d.sum())} tokens, d2t has {d2t.numel()}")
+    targets = torch.arange(d2t.numel()) + d2t  # [draft_vocab] target ids
+    if not bool(t2d[targets].all()):
+        raise ValueError(f"{path}: d2t maps draft ids to targets that t2d does not select")
+    return d2t, t2d
+
+
+def load_token_freq(path: str | Path) -> torch.Tensor:
+    """The masked-token counts recorded beside the mapping: [target_vocab]."""
+    return load_file(str(path))[TOKEN_FREQ]

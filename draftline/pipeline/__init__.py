@@ -1,0 +1,1 @@
+"""The machinery around the stages: config, stamps, manifests, dependencies, launch."""

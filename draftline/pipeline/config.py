@@ -1,0 +1,124 @@
+"""Compose the Hydra config outside a stage, and cut out each stage's part of it.
+
+Make needs each stage's *resolved* config before it decides what is stale; composing it here
+with Hydra's compose API gives exactly what the stage's `@hydra.main` will see for the same
+overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+STAGES = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate", "report")
+# The config groups each stage reads. Upstream changes reach a stage through the upstream
+# manifest, so a stage's stamp holds only what it reads itself.
+STAGE_KEYS = {
+    "tokenize": ("model", "data", "tokenize", "seed", "numerics"),
+    "regenerate": ("model", "regenerate", "seed", "numerics"),
+    "extract": ("model", "extract", "numerics"),
+    "prepare": ("prepare", "seed", "numerics"),
+    "train": ("model", "train", "seed", "numerics"),
+    "evaluate": ("model", "evaluate", "seed", "numerics"),
+    "report": ("report", "numerics"),
+}
+# Keys that say where and on how many processes a stage runs, not what it computes (a run
+# resumes on another number of GPUs; shards are the same bytes whichever process made them):
+# left out of the stage's stamp, recorded config and shard fingerprint, so switching GPUS=1 to
+# GPUS=8, or one extraction engine to `extract.replicas=8` or `SHARD=i/N`, reruns nothing; the
+# manifest records them apart (`launch`).
+LAUNCH_KEYS = {"extract": ("replicas", "shard"),
+               "train": ("gpus", "nodes", "rendezvous", "collective_timeout_s")}
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The root config for these overrides (the same tree a stage's @hydra.main gets)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def experiment_overrides(exp: str, extra: list[str]) -> list[str]:
+    """`EXP=name` selects conf/experiment/name.yaml; free overrides follow."""
+    if not (CONF_DIR / "experiment" / f"{exp}.yaml").exists():
+        known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+        raise ValueError(f"unknown experiment {exp!r}; known: {known}")
+    return [f"experiment={exp}", *extra]
+
+
+def input_fingerprint(path: str | Path) -> dict:
+    """Path, size and mtime of an input file, as Make itself would judge it."""
+    path = Path(path)
+    if not path.exists():
+        return {"path": str(path), "missing": True}
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def stage_config(cfg: DictConfig, stage: str) -> dict:
+    """The resolved part of the config that ``stage`` reads, plus its input fingerprints."""
+    if stage not in STAGE_KEYS:
+        raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+    resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
+    for group, keys in launch_config(cfg, stage).items():
+        resolved[group] = {key: value for key, value in resolved[group].items() if key not in keys}
+    resolved["run_dir"] = str(cfg.run_dir)
+    if stage == "regenerate":  # which layers extract captures does not change the replies
+        del resolved["model"]["aux_layer_ids"]
+    if stage == "tokenize":
+        resolved["inputs"] = {
+            "data": input_fingerprint(cfg.data.path),
+            "model_config": input_fingerprint(Path(cfg.model.path) / "config.json"),
+        }
+    if stage in ("regenerate", "extract"):
+        resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
+    return resolved
+
+
+def launch_config(cfg: DictConfig, stage: str) -> dict[str, dict]:
+    """The launch keys (LAUNCH_KEYS) of the groups ``stage`` reads, with their values."""
+    return {group: {key: OmegaConf.to_container(cfg, resolve=True)[group][key] for key in keys
+                    if key in cfg[group]}
+            for group, keys in LAUNCH_KEYS.items() if group in STAGE_KEYS[stage]}
+
+
+def stage_files(cfg: DictConfig, stage: str) -> list[str]:
+    """Files a stage reads that are neither data nor code: their hashes join its dependencies."""
+    if stage == "evaluate" and cfg.evaluate.gate:
+        return [str(cfg.evaluate.gate)]
+    return []
+
+
+def stage_dir(cfg: DictConfig, stage: str) -> Path:
+    return Path(cfg.run_dir) / stage
+
+
+def mm_limits(cfg: DictConfig) -> dict[str, int] | None:
+    """``model.limit_mm_per_prompt``: a multimodal target (Kimi-K2.5) run text-only."""
+    limits = cfg.model.get("limit_mm_per_prompt")
+    return None if limits is None else {str(k): int(v) for k, v in limits.items()}
+
+
+def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float = 1.0):
+    """How to start vLLM on the run's target: the model config plus one stage's engine
+    settings (``section`` holds max_model_len, and optionally max_num_seqs,
+    gpu_memory_utilization, cpu_kvcache_gib)."""
+    from draftline import target as remote_code
+    from draftline.serve import EngineOptions
+
+    model = cfg.model
+    return EngineOptions(
+        target=str(model.path), dtype=str(model.dtype),
+        max_model_len=None if section.max_model_len is None else int(section.max_model_len),
+        tensor_parallel_size=int(model.tensor_parallel_size),
+        gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.85)),
+        max_num_seqs=int(section.get("max_num_seqs", 16)),
+        trust_remote_code=remote_code.check(model.path, bool(model.trust_remote_code)),
+        limit_mm_per_prompt=mm_limits(cfg),
+        mla_disable=bool(model.mla_disable),
+        cpu_kvcache_gib=float(section.get("cpu_kvcache_gib", cpu_kvcache_gib)),
+        seed=int(cfg.seed))

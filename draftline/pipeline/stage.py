@@ -1,0 +1,74 @@
+"""What every stage entry point does around its own work: logging, stamp, failure."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from draftline.pipeline import artifacts, config, deps, numerics
+
+log = logging.getLogger("draftline")
+
+
+def _resumed_deps(stage_dir, resolved: dict) -> dict | None:
+    """The dependency record of the previous run when it had this config: a rerun may keep
+    its outputs (shards, chunks, checkpoints), so what made them stays recorded."""
+    path = stage_dir / artifacts.MANIFEST
+    if not path.exists():
+        return None
+    provenance = artifacts.read_json(path).get("provenance", {})
+    return provenance.get("deps") if provenance.get("config") == resolved else None
+
+
+def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
+              parts: Callable[[], list[dict]] = list) -> None:
+    """Run ``work`` under the configured numerics; on any exception log the full traceback
+    and exit non-zero. The manifest records the numerics and what the run imported, with
+    what ``parts()`` returns after the work: the dependency records of the processes that did
+    part of it (``run_part``).
+
+    The stage writes its own config stamp too, so a stage run by hand (without Make) still
+    leaves the record Make compares against. A manifest of an earlier run goes first: a run
+    that fails must not leave one behind that reads as its success.
+    """
+    stage_dir = config.stage_dir(cfg, stage)
+    resolved = config.stage_config(cfg, stage)
+    artifacts.write_stamp(stage_dir / artifacts.STAMP, resolved)
+    previous = _resumed_deps(stage_dir, resolved)
+    (stage_dir / artifacts.MANIFEST).unlink(missing_ok=True)
+    start = time.monotonic()
+    try:
+        applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
+        fields = work(cfg)
+        # What the run imported, read from this process once the work is done (draftline.pipeline.deps).
+        recorded = deps.loaded(config.stage_files(cfg, stage), deps.union(previous, *parts()))
+    except BaseException:
+        log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)
+        sys.exit(1)
+    fields["wall_seconds"] = round(time.monotonic() - start, 3)
+    path = artifacts.write_manifest(stage_dir, resolved, stage=stage, **fields,
+                                    extra_provenance={"exp": str(cfg.exp), "numerics": numerics.describe(applied),
+                                                      "deps": recorded,
+                                                      "launch": config.launch_config(cfg, stage)})
+    log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
+
+
+def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None], record: Path) -> None:
+    """Part of a stage's work in its own process (an extract slice or replica): the same
+    numerics and failure handling as ``run_stage``, but no stamp and no manifest: the
+    process that writes the manifest checks what the parts left on disk, and adds the
+    dependency record each part leaves at ``record`` once its work is done."""
+    start = time.monotonic()
+    try:
+        numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
+        work(cfg)
+        artifacts.write_json(record, deps.loaded())
+    except BaseException:
+        log.exception("%s failed after %.1f s", what, time.monotonic() - start)
+        sys.exit(1)
+    log.info("%s done in %.1f s", what, time.monotonic() - start)

@@ -1,0 +1,332 @@
+"""`make` helpers: write every stage's stamps, say which stages are stale and why, accept.
+
+    python -m draftline.pipeline.status stamp tiny -- train.lr=1e-3
+    python -m draftline.pipeline.status show runs/tiny
+    python -m draftline.pipeline.status accept runs/tiny extract
+
+Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
+Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
+imported, draftline.pipeline.deps: project files, package versions, patch queues, Python, named files,
+as they are now). When ``deps.json`` matches what the manifest recorded it carries the
+manifest's own mtime, so only a real difference makes the stage stale. ``accept`` records in
+the manifest that a user kept the outputs across such a difference.
+
+Stamping composes the config once for all stages and writes only under the run dir, since it
+runs under `make -n` too; ``assets`` (a Make rule of its own, run before stamping and skipped
+by a dry run; its target is runs/<exp>/.assets-cache.json) builds the project's own inputs
+(tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
+of file stats alone (conf/, the project's code, the installed packages and patch records, the
+inputs the last compose named) and skips Hydra entirely when nothing changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _stat_key(paths: list[Path]) -> list:
+    key = []
+    for path in paths:
+        stat = path.stat() if path.exists() else None
+        key.append([str(path), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1])
+    return key
+
+
+def _environment_files() -> list[Path]:
+    """Stats that move when packages are installed or removed, or a patch queue re-applied."""
+    import sysconfig
+
+    from draftline.patchq import RECORD_NAME
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    return [site] + [site / pkg / RECORD_NAME for pkg in ("speculators", "vllm")]
+
+
+def _cache_key(argv: list[str], inputs: list[str]) -> str:
+    watched = (sorted((REPO / "conf").rglob("*.yaml")) + sorted((REPO / "draftline").rglob("*.py"))
+               + sorted((REPO / "stages").glob("*.py")) + _environment_files())
+    blob = json.dumps([argv, _stat_key(watched), _stat_key([Path(p) for p in inputs])])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cache_path(exp: str) -> Path:
+    return Path("runs") / exp / ".stamp-cache.json"
+
+
+def stamp_is_fresh(exp: str, argv: list[str]) -> bool:
+    cache = _cache_path(exp)
+    if not cache.exists():
+        return False
+    saved = json.loads(cache.read_text())
+    stamps_exist = all(Path(p).exists() for p in saved["stamps"])
+    return stamps_exist and saved["key"] == _cache_key(argv, saved["inputs"])
+
+
+class NotAProjectPath(ValueError):
+    """A path the project would write (a built tiny target) that names a place outside its
+    assets: a user's directory, which the project never writes."""
+
+
+def check_owned_paths(cfg) -> None:
+    """Refuse a config whose project-built inputs point at a user's path (before any write)."""
+    from draftline.tiny import embedded
+
+    if cfg.data.build:
+        embedded.check_data_path(cfg.data.path, cfg.assets_dir)
+    model_dir, assets = Path(cfg.model.path).resolve(), Path(cfg.assets_dir).resolve()
+    if cfg.model.build and assets not in model_dir.parents:
+        raise NotAProjectPath(
+            f"model.path={cfg.model.path} is set, but the model is the project-built "
+            f"{cfg.model.build}, which lives only under {cfg.assets_dir}/: for a model of your own "
+            "give it a conf/model/<name>.yaml with build: null")
+
+
+def ensure_assets(cfg) -> None:
+    """Build project-made inputs that do not exist yet (deterministic builders), only at the
+    project's own paths (``check_owned_paths``)."""
+    check_owned_paths(cfg)
+    model_dir = Path(cfg.model.path)
+    if cfg.model.build and not (model_dir / "config.json").exists():
+        from draftline.tiny import targets
+
+        builders = {"tiny_llama": targets.build_tiny_llama, "tiny_deepseek_v3": targets.build_tiny_deepseek_v3,
+                    "tiny_kimi_k25": targets.build_tiny_kimi_k25}
+        builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
+    if cfg.data.build:
+        from draftline.tiny import embedded
+
+        embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
+
+
+def _asset_inputs(cfg) -> list[str]:
+    return [str(cfg.data.path), str(Path(cfg.model.path) / "config.json")]
+
+
+def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
+    """Build the experiment's project-made inputs (Make's own step, never a dry run's: the
+    stamp step only reads). Skipped when nothing they depend on changed since the last build."""
+    from draftline.pipeline import artifacts, config
+
+    cache = Path("runs") / exp / ".assets-cache.json"  # the Makefile's $(EXP_ASSETS)
+    if cache.exists():
+        saved = artifacts.read_json(cache)
+        if saved["key"] == _cache_key(argv, saved["inputs"]):
+            return
+    cfg = config.compose(config.experiment_overrides(exp, overrides))
+    ensure_assets(cfg)
+    inputs = _asset_inputs(cfg)
+    artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs})
+
+
+def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
+    """Compose once, rewrite the stamps that changed, save the key. Builds nothing and writes
+    nothing outside the run dir: it runs under `make -n` too (``build_assets`` builds)."""
+    from draftline.pipeline import artifacts, config
+
+    cfg = config.compose(config.experiment_overrides(exp, overrides))
+    check_owned_paths(cfg)
+    changed, stamps = [], []
+    for stage in config.STAGES:
+        path = config.stage_dir(cfg, stage) / artifacts.STAMP
+        stamps += [str(path), str(path.parent / DEPS_STAMP)]
+        if artifacts.write_stamp(path, config.stage_config(cfg, stage)):
+            changed.append(path)
+        if sync_deps_stamp(path.parent, config.stage_files(cfg, stage)):
+            changed.append(path.parent / DEPS_STAMP)
+    inputs = [*_asset_inputs(cfg), *(f for s in config.STAGES for f in config.stage_files(cfg, s))]
+    artifacts.write_json(_cache_path(exp), {"key": _cache_key(argv, inputs), "inputs": inputs,
+                                            "stamps": stamps})
+    return changed
+
+
+DEPS_STAMP = "deps.json"
+
+
+def recorded_deps(manifest: dict) -> dict | None:
+    """What a stage's run depended on, as its manifest recorded it (None: made before
+    draftline recorded dependencies)."""
+    return manifest.get("provenance", {}).get("deps")
+
+
+def _expected_deps(recorded: dict | None, files: list[str]) -> dict | None:
+    from draftline.pipeline import deps
+
+    if recorded is None:
+        return None
+    # A file the config names now but the run did not (a gate added later) is a difference.
+    return deps.current({**recorded, "files": {**dict.fromkeys(files), **recorded.get("files", {})}})
+
+
+def sync_deps_stamp(stage_dir: Path, files: list[str]) -> bool:
+    """Rewrite ``deps.json`` when its content changes; give it the manifest's mtime when it
+    equals what the manifest recorded, so Make reruns the stage only for a real difference."""
+    from draftline.pipeline import artifacts
+
+    stamp, manifest_path = stage_dir / DEPS_STAMP, stage_dir / artifacts.MANIFEST
+    if not manifest_path.exists():
+        return artifacts.write_stamp(stamp, {"recorded": None, "why": "the stage has not run"})
+    recorded = recorded_deps(artifacts.read_json(manifest_path))
+    now = _expected_deps(recorded, files)
+    if now is None:
+        return artifacts.write_stamp(stamp, {"recorded": None, "why": "manifest has no dependency record"})
+    changed = artifacts.write_stamp(stamp, now)
+    if now == recorded:
+        built = manifest_path.stat().st_mtime_ns
+        os.utime(stamp, ns=(built, built))
+    return changed
+
+
+def _config_differences(recorded: dict, now: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += _config_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"config {prefix}{key}: {json.dumps(old)} -> {json.dumps(new)}")
+    return out
+
+
+def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> list[str]:
+    """Why ``stage_dir``'s outputs are stale, each reason named; [] when up to date."""
+    from draftline.pipeline import artifacts, deps
+
+    manifest_path = stage_dir / artifacts.MANIFEST
+    if not manifest_path.exists():
+        return ["never run (no manifest)"]
+    manifest = artifacts.read_json(manifest_path)
+    built = manifest_path.stat().st_mtime_ns
+    reasons = []
+    if upstream is not None and (not (upstream / artifacts.MANIFEST).exists()
+                                 or (upstream / artifacts.MANIFEST).stat().st_mtime_ns > built):
+        reasons.append(f"{upstream.name}'s outputs are newer")
+    stamp = stage_dir / artifacts.STAMP
+    if stamp.exists():
+        reasons += _config_differences(manifest["provenance"]["config"], artifacts.read_json(stamp))
+    recorded = recorded_deps(manifest)
+    if recorded is None:
+        reasons.append("no dependency record in the manifest (made before draftline recorded them)")
+    else:
+        reasons += deps.differences(recorded, _expected_deps(recorded, files))
+    return reasons
+
+
+def stage_files(run_dir: Path, stage: str) -> list[str]:
+    """The extra files the stage's stamped config names (see config.stage_files)."""
+    from draftline.pipeline import artifacts
+
+    stamp = run_dir / stage / artifacts.STAMP
+    gate = artifacts.read_json(stamp).get("evaluate", {}).get("gate") if stamp.exists() else None
+    return [str(gate)] if stage == "evaluate" and gate else []
+
+
+def show_status(run_dir: Path) -> list[str]:
+    """One line per stage in pipeline order, with every reason it is stale."""
+    from draftline.pipeline import config
+
+    lines, upstream_stale, upstream = [], False, None
+    for stage in config.STAGES:
+        reasons = stale_reasons(run_dir / stage, upstream, stage_files(run_dir, stage))
+        if upstream_stale and not reasons:
+            reasons = ["an upstream stage is stale"]
+        upstream_stale = upstream_stale or bool(reasons)
+        lines.append(f"{stage:>10}: " + ("STALE - " + "; ".join(reasons) if reasons else "up to date"))
+        upstream = run_dir / stage
+    return lines
+
+
+def accept(run_dir: Path, stage: str) -> list[str]:
+    """Keep ``stage``'s outputs across the dependency differences found now: record them, who
+    and when in its manifest (``accepted``), and make the recorded dependencies the current
+    ones. Config changes and newer upstream outputs cannot be accepted: they change the data."""
+    import datetime
+    import getpass
+    import platform
+
+    from draftline.pipeline import artifacts, config, deps
+
+    if stage not in config.STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {config.STAGES}")
+    stage_dir = run_dir / stage
+    manifest_path = stage_dir / artifacts.MANIFEST
+    manifest = artifacts.read_manifest(stage_dir)
+    files = stage_files(run_dir, stage)
+    recorded = recorded_deps(manifest)
+    if recorded is None:
+        raise ValueError(f"{manifest_path} has no dependency record to accept against: rerun the stage")
+    now = _expected_deps(recorded, files)
+    upstream = run_dir / config.STAGES[config.STAGES.index(stage) - 1] if stage != config.STAGES[0] else None
+    differences = deps.differences(recorded, now)
+    other = [r for r in stale_reasons(stage_dir, upstream, files) if r not in differences]
+    if other:
+        raise ValueError(f"{stage}: only code, package, patch, Python and file differences can be "
+                         f"accepted; rerun the stage for: {'; '.join(other)}")
+    if not differences:
+        raise ValueError(f"{stage}: nothing to accept, its dependencies are unchanged")
+    manifest.setdefault("accepted", []).append({
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "by": getpass.getuser(), "host": platform.node(), "differences": differences,
+        "previous": recorded})
+    manifest["provenance"]["deps"] = now
+    built = manifest_path.stat().st_mtime_ns
+    artifacts.write_json(manifest_path, manifest)
+    # Downstream stages compare their mtime with this manifest's: accepting must not rerun them.
+    os.utime(manifest_path, ns=(built, built))
+    sync_deps_stamp(stage_dir, files)
+    return differences
+
+
+def build_cli():
+    import typer
+
+    app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+    @app.command()
+    def stamp(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
+        """Write <run_dir>/<stage>/config.json for every stage, only where it changed."""
+        for path in write_stamps(exp, overrides or [], sys.argv[1:]):
+            typer.echo(f"config changed: {path}")
+
+    @app.command()
+    def assets(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
+        """Build the project-made inputs of EXP (tiny targets, the embedded set) when missing."""
+        build_assets(exp, overrides or [], sys.argv[1:])
+
+    @app.command()
+    def show(run_dir: Path) -> None:
+        """One line per stage of RUN_DIR: up to date, or STALE with every reason."""
+        for line in show_status(run_dir):
+            typer.echo(line)
+
+    @app.command("accept")
+    def accept_cmd(run_dir: Path, stage: str) -> None:
+        """Keep STAGE's outputs across its current code/package/patch differences (recorded)."""
+        for difference in accept(run_dir, stage):
+            typer.echo(f"{stage}: accepted {difference}")
+
+    return app
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
+        return  # nothing that feeds a stamp changed since the last compose
+    from draftline.pipeline import config
+    from draftline.tiny import embedded
+
+    try:
+        build_cli()()
+    except (embedded.NotTheEmbeddedPath, NotAProjectPath) as error:
+        # A config mistake, not a failure of the code: its message is the whole story.
+        print(f"draftline: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The target with its draft in vLLM: acceptance as vLLM counts it, and `vllm serve`.
+
+vLLM is the component that serves the draft, so its own speculative decoding is the live
+measurement: ``measure_replies`` decodes each held-out prompt greedily with the draft and
+reads vLLM's spec-decode counters after every engine step, which gives the accepted draft
+tokens of each verification step (one request at a time, so each step is one draft).
+``generate_timed`` times a batch with or without the draft (benchmarks.serve), and
+``serve_command`` is the `vllm serve` command line `make serve` runs.
+
+vLLM sets up process-global state, so measurements run in a child process
+(``python -m draftline.serve <job> REQUEST OUT``) and hand back JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How to start vLLM on the target: plain values, decided at the stage boundary."""
+
+    target: str                      # HF-layout model directory
+    dtype: str = "auto"              # torch dtype vLLM runs the target in
+    max_model_len: int | None = 2048  # tokens per sequence; None = the model config's
+    tensor_parallel_size: int = 1    # GPUs (or CPU ranks)
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 16           # sequences per batch
+    trust_remote_code: bool = False  # run Python shipped in the model directory
+    limit_mm_per_prompt: dict | None = None  # {"vision_chunk": 0}: a multimodal target (Kimi-K2.5) run text-only
+    mla_disable: bool = False        # VLLM_MLA_DISABLE=1 (vLLM's CPU platform has no MLA)
+    cpu_kvcache_gib: float = 1.0     # VLLM_CPU_KVCACHE_SPACE on the CPU platform (GiB)
+    seed: int = 0
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables vLLM reads at start-up for these options."""
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                        f"{self.cpu_kvcache_gib:g}")}
+        if self.mla_disable:
+            env["VLLM_MLA_DISABLE"] = "1"
+        return env
+
+
+def speculative_config(draft: str | Path, k: int) -> dict:
+    """vLLM's speculative_config for an EAGLE-3 draft in speculators format."""
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
+
+
+def llm_kwargs(options: EngineOptions, draft: str | Path | None, k: int | None) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for the target, with the draft when given."""
+    import torch
+
+    kwargs = dict(
+        model=options.target, dtype=options.dtype, tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization, max_num_seqs=options.max_num_seqs,
+        trust_remote_code=options.trust_remote_code, seed=options.seed,
+        # Every token of a prompt is computed, as in the offline estimate; and one step's stats
+        # arrive with that step's outputs (no overlap between steps).
+        enable_prefix_caching=False, async_scheduling=False,
+        disable_log_stats=False,
+        # Without CUDA: eager (inductor needs a C++ compiler the cpu image lacks).
+        enforce_eager=not torch.cuda.is_available(),
+    )
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
+    if options.limit_mm_per_prompt is not None:
+        kwargs["limit_mm_per_prompt"] = dict(options.limit_mm_per_prompt)
+    if draft is not None:
+        kwargs["speculative_config"] = speculative_config(draft, int(k))
+    return kwargs
+
+
+def serve_command(options: EngineOptions, draft: str | Path, k: int, *, host: str, port: int,
+                  extra: Sequence[str] = ()) -> list[str]:
+    """`vllm serve` of the target with its draft: the command `make serve` runs."""
+    kwargs = llm_kwargs(options, draft, k)
+    command = ["vllm", "serve", options.target, "--host", host, "--port", str(port),
+               "--dtype", options.dtype, "--tensor-parallel-size", str(options.tensor_parallel_size),
+               "--gpu-memory-utilization", str(options.gpu_memory_utilization),
+               "--max-num-seqs", str(options.max_num_seqs), "--seed", str(options.seed),
+               "--speculative-config", json.dumps(kwargs["speculative_config"])]
+    if options.max_model_len is not None:
+        command += ["--max-model-len", str(options.max_model_len)]
+    if options.trust_remote_code:
+        command.append("--trust-remote-code")
+    if options.limit_mm_per_prompt is not None:
+        command += ["--limit-mm-per-prompt", json.dumps(dict(options.limit_mm_per_prompt))]
+    if kwargs["enforce_eager"]:
+        command.append("--enforce-eager")
+    return [*command, *extra]
+
+
+# --------------------------------------------------------------------------- counters
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """vLLM's cumulative spec-decode counters at one moment."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_pos: list[int]  # [k]: steps whose draft position j was accepted
+
+    @classmethod
+    def read(cls, engine, k: int) -> "SpecCounters":
+        """From ``LLMEngine.get_metrics()`` (needs ``disable_log_stats=False``)."""
+        counters, vectors = {}, {}
+        for metric in engine.get_metrics():
+            if hasattr(metric, "values"):
+                vectors[metric.name] = list(metric.values)
+            elif hasattr(metric, "value"):
+                counters[metric.name] = counters.get(metric.name, 0) + metric.value
+        per_pos = vectors.get(ACCEPTED_PER_POS, [0] * k)
+        if len(per_pos) != k:
+            raise RuntimeError(f"vLLM reports {len(per_pos)} draft positions, expected k={k}")
+        return cls(int(counters.get(DRAFTS, 0)), int(counters.get(DRAFT_TOKENS, 0)),
+                   int(counters.get(ACCEPTED, 0)), [int(v) for v in per_pos])
+
+    def minus(self, other: "SpecCounters") -> "SpecCounters":
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted,
+                            [a - b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos,
+                                                   strict=True)])
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- jobs (child side)
+
+
+def _sampling(max_tokens: int, stop_ids: Sequence[int]):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
+                          stop_token_ids=[int(s) for s in stop_ids], detokenize=False)
+
+
+def _measure_replies(request: dict) -> dict:
+    """Each prompt alone, greedy, with the draft: its tokens and accepted count per step."""
+    from vllm import LLM, TokensPrompt
+
+    options, k = EngineOptions(**request["options"]), int(request["k"])
+    llm = LLM(**llm_kwargs(options, request["draft"], k))
+    engine = llm.llm_engine
+    replies = []
+    for index, (prompt, max_tokens) in enumerate(zip(request["prompts"], request["max_tokens"],
+                                                     strict=True)):
+        engine.add_request(f"reply-{index}", TokensPrompt(prompt_token_ids=list(prompt)),
+                           _sampling(max_tokens, request["stop_ids"]))
+        before, steps, tokens = SpecCounters.read(engine, k), [], []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    tokens = list(output.outputs[0].token_ids)
+            now = SpecCounters.read(engine, k)
+            delta = now.minus(before)
+            before = now
+            if delta.drafts > 1:
+                raise RuntimeError(f"one engine step of one request verified {delta.drafts} "
+                                   "drafts: per-step acceptance cannot be attributed")
+            if delta.drafts == 1:
+                accepted = delta.accepted_per_pos
+                if accepted != sorted(accepted, reverse=True) or sum(accepted) != delta.accepted:
+                    raise RuntimeError(f"vLLM's per-position counts {accepted} are not one "
+                                       f"accepted prefix of {delta.accepted} tokens")
+                steps.append(delta.accepted)
+        replies.append({"tokens": tokens, "accepted": steps})
+    totals = SpecCounters.read(engine, k)
+    return {"replies": replies, "counters": totals.as_dict()}
+
+
+def _generate_timed(request: dict) -> dict:
+    """All prompts in one batch, with or without the draft: tokens out and wall seconds."""
+    from vllm import LLM, TokensPrompt
+
+    options = EngineOptions(**request["options"])
+    k = request.get("k")
+    llm = LLM(**llm_kwargs(options, request.get("draft"), k))
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+    params = [_sampling(m, request["stop_ids"]) for m in request["max_tokens"]]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up, not timed
+    before = SpecCounters.read(llm.llm_engine, k) if request.get("draft") else None
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    if before is not None:
+        result["counters"] = SpecCounters.read(llm.llm_engine, k).minus(before).as_dict()
+    return result
+
+
+JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed}
+
+
+# --------------------------------------------------------------------------- jobs (parent side)
+
+
+def run_job(job: str, request: dict, options: EngineOptions, timeout: float = 3600) -> dict:
+    """Run one job in a child process; its full output is raised on failure."""
+    if job not in JOBS:
+        raise ValueError(f"unknown job {job!r}; jobs: {sorted(JOBS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path, out_path = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        request_path.write_text(json.dumps({**request, "options": dataclasses.asdict(options)}))
+        command = [sys.executable, "-m", "draftline.serve", job, str(request_path), str(out_path)]
+        env = {**os.environ, **options.environment()}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        if result.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"vLLM job {job} failed (exit {result.returncode}):\n"
+                               f"{result.stdout[-20000:]}\n{result.stderr[-20000:]}")
+        return json.loads(out_path.read_text())
+
+
+def measure_replies(options: EngineOptions, draft: str | Path, k: int,
+                    prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                    stop_ids: Sequence[int]) -> dict:
+    """vLLM's greedy speculative decoding of each prompt: tokens and per-step acceptance."""
+    return run_job("measure-replies", {
+        "draft": str(draft), "k": int(k), "prompts": [list(map(int, p)) for p in prompts],
+        "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
+
+
+def generate_timed(options: EngineOptions, draft: str | Path | None, k: int | None,
+                   prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                   stop_ids: Sequence[int]) -> dict:
+    """One timed batch, with the draft or (``draft=None``) without it."""
+    return run_job("generate-timed", {
+        "draft": None if draft is None else str(draft), "k": k,
+        "prompts": [list(map(int, p)) for p in prompts],
+        "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m draftline.serve JOB REQUEST OUT``: the child side of ``run_job``."""
+    if len(argv) != 3 or argv[0] not in JOBS:
+        raise SystemExit(f"usage: python -m draftline.serve {{{','.join(JOBS)}}} REQUEST OUT")
+    logging.basicConfig(level=logging.INFO)
+    result = JOBS[argv[0]](json.loads(Path(argv[1]).read_text()))
+    Path(argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

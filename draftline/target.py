@@ -1,0 +1,114 @@
+"""What draftline knows about a target model directory before loading it.
+
+* Its shape (layer count, width, architecture) and which aux layer ids it has.
+* Its digest: the content of its files, which stands for the target in shard fingerprints.
+* Remote code only where asked: a model directory may ship Python that transformers or vLLM
+  would import (``auto_map`` in its config files). draftline runs it only when the model
+  config says ``trust_remote_code: true``; otherwise a stage refuses before loading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from draftline.pipeline.artifacts import read_json, sha256_file, write_json
+
+# The files through which transformers and vLLM find a directory's own classes.
+CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
+              "preprocessor_config.json")
+
+
+class RemoteCodeRefused(ValueError):
+    """The model directory asks to run its own Python and the config did not allow it."""
+
+
+def remote_code_references(model_dir: str | Path) -> list[str]:
+    """``file: Auto* -> module.Class`` for every auto_map entry in the directory's configs."""
+    found = []
+    for name in CODE_FILES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        auto_map = json.loads(path.read_text()).get("auto_map") or {}
+        for auto_class, target in sorted(auto_map.items()):
+            found.append(f"{name}: {auto_class} -> {target}")
+    return found
+
+
+def check(model_dir: str | Path, trust_remote_code: bool) -> bool:
+    """Return ``trust_remote_code`` once the directory agrees with it; raise when the directory
+    ships code the config did not allow, naming the files and classes."""
+    references = remote_code_references(model_dir)
+    if references and not trust_remote_code:
+        raise RemoteCodeRefused(
+            f"{model_dir} asks to run its own Python ({'; '.join(references)}); draftline runs "
+            "it only when the model config allows it: set model.trust_remote_code=true if you "
+            "trust this directory")
+    return bool(trust_remote_code)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetShape:
+    """What the extraction needs to know about the target before loading it."""
+
+    num_layers: int
+    hidden_size: int
+    architecture: str
+
+
+def read_target_shape(model_dir: str | Path) -> TargetShape:
+    """Layer count, width and architecture from config.json (text_config for wrappers)."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"target model config not found: {path}")
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)
+    return TargetShape(
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        architecture=(config.get("architectures") or ["unknown"])[0],
+    )
+
+
+# Files of a model directory that record how the project built it (with timings), not what the
+# target computes: left out of its digest.
+BUILD_RECORDS = ("build.json",)
+
+
+def target_digest(model_dir: str | Path, cache_path: Path) -> str:
+    """sha256 over the target's files: relative names and content, hidden files (download
+    caches, with their timestamps) and build records left out. Where the directory is, and when
+    its files were written, do not enter it. ``cache_path`` keeps each file's sha256 under its
+    path, size and mtime, so an unchanged target is hashed once, not on every run."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"target model directory not found: {root}")
+    cache = read_json(cache_path) if cache_path.exists() else {}
+    seen, digest = {}, hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or rel.name in BUILD_RECORDS:
+            continue
+        stat = path.stat()
+        key = str(path.resolve())
+        size_mtime = [stat.st_size, stat.st_mtime_ns]
+        entry = cache.get(key)
+        file_sha = entry[1] if entry and entry[0] == size_mtime else sha256_file(path)
+        seen[key] = [size_mtime, file_sha]
+        digest.update(rel.as_posix().encode() + b"\0" + file_sha.encode())
+    if seen != cache:
+        write_json(cache_path, seen)
+    return digest.hexdigest()
+
+
+def check_layer_ids(aux_layer_ids: list[int], shape: TargetShape) -> None:
+    """Aux id i captures the input of layer i: valid ids are 1 .. num_layers - 1."""
+    bad = [i for i in aux_layer_ids if not 0 < i < shape.num_layers]
+    if bad or len(set(aux_layer_ids)) != len(aux_layer_ids):
+        raise ValueError(
+            f"aux_layer_ids {list(aux_layer_ids)} invalid for a {shape.num_layers}-layer "
+            f"target: need distinct ids in [1, {shape.num_layers - 1}]"
+        )

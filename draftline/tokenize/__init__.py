@@ -1,0 +1,1 @@
+"""tokenize's library: conversations, chat rendering and masks, sources, draft vocab."""

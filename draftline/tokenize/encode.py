@@ -1,0 +1,314 @@
+"""Conversations -> training samples, in parallel, with every skip counted by reason.
+
+The main process streams records from a :class:`~draftline.tokenize.sources.Source`,
+normalises them (cheap) and hands batches of conversations to ``workers`` spawned
+processes, each with its own tokenizer, which render, mask and window them (the slow
+part).  Results come back in submission order and are placed by rank, so the samples, their
+order, the vocabulary counts and the skip table are the same for any number of workers.
+
+The skip budget (``tokenize.max_skipped``) is a count (an int) or a fraction of the records
+read (a float in [0, 1]); every reason is counted, with the first few locations, and a run
+over budget fails with the table.  An exchange lost from a conversation that still gives
+samples (its prompt alone fills ``seq_length``) is not a record skip and does not count
+against the budget; the manifest's ``dropped_exchanges`` counts those, with locations.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from draftline import target
+from draftline.pipeline.progress import Progress
+from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
+from draftline.tokenize.conversations import DataError, RecordSkip, normalize
+from draftline.tokenize.sources import Source, select_records
+
+__all__ = ["Budget", "Tally", "TokenizedSet", "load_tokenizer", "tokenize_source", "default_workers"]
+
+log = logging.getLogger("draftline.tokenize")
+
+EXAMPLES_PER_REASON = 3  # locations kept per skip reason in the manifest
+BATCH = 32  # conversations per worker task: large enough to amortise pickling, small for balance
+TASKS_PER_WORKER = 4  # tasks in flight per worker: bounds memory while keeping workers busy
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    trust = target.check(model_dir, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{model_dir}: tokenizer has no chat_template")
+    return tokenizer
+
+
+def default_workers() -> int:
+    """All cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+# --------------------------------------------------------------------------- budget and tally
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``tokenize.max_skipped``: an int is a count, a float a fraction of the records read."""
+
+    value: int | float
+
+    def __post_init__(self):
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise ValueError(f"tokenize.max_skipped must be an int (count) or a float (fraction), "
+                             f"got {self.value!r}")
+        if isinstance(self.value, float) and not 0.0 <= self.value <= 1.0:
+            raise ValueError(f"tokenize.max_skipped as a fraction must be in [0, 1], got {self.value}")
+        if isinstance(self.value, int) and self.value < 0:
+            raise ValueError(f"tokenize.max_skipped must be >= 0, got {self.value}")
+
+    def allows(self, skipped: int, records: int) -> bool:
+        if isinstance(self.value, int):
+            return skipped <= self.value
+        return skipped <= self.value * records
+
+    def __str__(self) -> str:
+        kind = "count" if isinstance(self.value, int) else "fraction of records"
+        return f"tokenize.max_skipped={self.value} ({kind})"
+
+
+@dataclass
+class Tally:
+    """What happened to each record: skips by reason (with first locations) and fixes."""
+
+    num_records: int = 0
+    skips: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    unknown_roles: Counter = field(default_factory=Counter)
+    leading_dropped_conversations: int = 0
+    leading_dropped_turns: int = 0
+    num_conversations: int = 0  # records that gave at least one sample
+    num_split: int = 0  # conversations that became more than one sample
+    num_truncated: int = 0  # samples cut inside an exchange
+    dropped_exchanges: int = 0  # exchanges of kept conversations whose prompt alone fills seq_length
+    dropped_exchange_conversations: int = 0
+    dropped_exchange_examples: list[str] = field(default_factory=list)
+    assistant_tokens: int = 0
+    kept_tokens: int = 0
+
+    def skip(self, where: str, reason: str, detail: str, role: str | None = None) -> None:
+        self.skips[reason] += 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < EXAMPLES_PER_REASON:
+            shown.append(f"{where}: {detail}")
+        if role is not None:
+            self.unknown_roles[role] += 1
+
+    def drop_exchanges(self, where: str, details: list[str]) -> None:
+        """Exchanges lost from a conversation that still gave samples (not a record skip)."""
+        if not details:
+            return
+        self.dropped_exchanges += len(details)
+        self.dropped_exchange_conversations += 1
+        for detail in details[: EXAMPLES_PER_REASON - len(self.dropped_exchange_examples)]:
+            self.dropped_exchange_examples.append(f"{where}: {detail}")
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skips.values())
+
+    def table(self) -> str:
+        """Reason -> count lines with the first location of each, for errors and logs."""
+        rows = [f"  {reason:<20} {count:>8}   e.g. {self.examples[reason][0]}"
+                for reason, count in sorted(self.skips.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return "\n".join(rows) or "  (none)"
+
+    def manifest(self) -> dict:
+        kept = self.kept_tokens / self.assistant_tokens if self.assistant_tokens else 0.0
+        return {
+            "num_records": self.num_records,
+            "num_conversations": self.num_conversations,
+            "num_skipped": self.num_skipped,
+            "skipped": {reason: {"count": count, "examples": self.examples[reason]}
+                        for reason, count in sorted(self.skips.items())},
+            "unknown_roles": dict(sorted(self.unknown_roles.items())),
+            "leading_assistant_turns_dropped": {"conversations": self.leading_dropped_conversations,
+                                                "turns": self.leading_dropped_turns},
+            "num_split_conversations": self.num_split,
+            "num_truncated_samples": self.num_truncated,
+            "dropped_exchanges": {"count": self.dropped_exchanges,
+                                  "conversations": self.dropped_exchange_conversations,
+                                  "examples": self.dropped_exchange_examples},
+            "num_assistant_tokens": self.assistant_tokens,
+            "num_kept_assistant_tokens": self.kept_tokens,
+            "assistant_tokens_kept_fraction": round(kept, 6),
+        }
+
+
+# --------------------------------------------------------------------------- workers
+
+_WORKER: dict[str, Any] = {}  # the tokenizer and seq_length of this process
+
+
+def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int) -> None:
+    _WORKER["tokenizer"] = load_tokenizer(model_dir, trust_remote_code)
+    _WORKER["seq_length"] = seq_length
+
+
+def _dropped_detail(exchange: DroppedExchange, leading: int, seq_length: int) -> str:
+    """Where a dropped exchange was, in the record's own turn numbers (before dropping
+    ``leading`` assistant turns; exchanges never include the leading system turns)."""
+    first, last = exchange.start + leading, exchange.end - 1 + leading
+    return (f"exchange of turns {first}-{last} dropped: its prompt fills seq_length={seq_length} "
+            f"({exchange.num_tokens} tokens rendered alone), no reply token left")
+
+
+def _encode_batch(batch: list[tuple[int, str, list[dict], int]]) -> list[tuple]:
+    """``(rank, where, outcome)`` per conversation; outcome is a skip or the windows.
+
+    Input: ``(rank, where, messages, leading assistant turns dropped)``.  Skips: ``("skip",
+    reason, detail)``.  Samples: ``("ok", [(ids, mask, truncated)], total, kept, dropped)``
+    with ids int32 and mask uint8 arrays (compact to send back) and one detail string per
+    dropped exchange.
+    """
+    tokenizer, seq_length = _WORKER["tokenizer"], _WORKER["seq_length"]
+    out = []
+    for rank, where, messages, leading in batch:
+        try:
+            windows = encode_windows(tokenizer, messages, seq_length)  # the tally adds where
+        except EmptyLossMaskError as exc:
+            out.append((rank, where, ("skip", "no_assistant_tokens", str(exc))))
+            continue
+        except ChatTemplateError as exc:
+            out.append((rank, where, ("skip", "template_error", str(exc))))
+            continue
+        samples = [(np.asarray(s.input_ids, dtype=np.int32), np.asarray(s.loss_mask, dtype=np.uint8),
+                    s.num_truncated > 0) for s in windows.samples]
+        dropped = [_dropped_detail(e, leading, seq_length) for e in windows.dropped_exchanges]
+        out.append((rank, where, ("ok", samples, windows.num_assistant_tokens, windows.num_kept_tokens,
+                                  dropped)))
+    return out
+
+
+def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, initargs: tuple) -> Iterator:
+    """``map(fn, tasks)`` in order over ``workers`` spawned processes, a bounded window ahead.
+
+    One worker runs in this process (no pool), which is the reference the parallel path
+    must reproduce.  Spawned, not forked: the parent may already hold tokenizer threads.
+    """
+    if workers == 1:
+        init(*initargs)
+        yield from map(fn, tasks)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=init, initargs=initargs) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.submit(fn, task))
+            if len(pending) >= TASKS_PER_WORKER * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TokenizedSet:
+    """Flat samples in output order, and the tally of how they were made."""
+
+    input_ids: np.ndarray  # int64 [total_tokens]
+    loss_mask: np.ndarray  # uint8 [total_tokens]
+    offsets: np.ndarray  # int64 [num_samples + 1]
+    tally: Tally
+
+
+def _read_error_reason(error: str) -> str:
+    return "not_utf8" if error.startswith("not UTF-8") else "malformed_json"
+
+
+def tokenize_source(
+    source: Source, *, model_dir: str, trust_remote_code: bool, seq_length: int,
+    roles: Mapping[str, str], field: str | None, max_samples: int | None, shuffle: bool,
+    seed: int, workers: int, budget: Budget,
+) -> TokenizedSet:
+    """Tokenize every selected record of ``source`` (see the module doc)."""
+    if workers < 1:
+        raise ValueError(f"tokenize.workers must be >= 1, got {workers}")
+    if seq_length < 1:
+        raise ValueError(f"tokenize.seq_length must be >= 1, got {seq_length}")
+    tally = Tally()
+
+    def over_budget() -> DataError:
+        return DataError(f"{source.label}: {tally.num_skipped} of {tally.num_records} records "
+                         f"skipped, over {budget}:\n{tally.table()}")
+
+    def batches() -> Iterator[list]:
+        batch = []
+        for rank, (where, record, error) in select_records(source, max_samples, shuffle, seed):
+            tally.num_records += 1
+            try:
+                if error is not None:
+                    raise RecordSkip(_read_error_reason(error), error)
+                normalized = normalize(record, roles, field)
+            except RecordSkip as exc:
+                tally.skip(where, exc.reason, str(exc), exc.role)
+                if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
+                    raise over_budget() from exc  # a count budget can fail early
+                continue
+            if normalized.dropped_leading:
+                tally.leading_dropped_conversations += 1
+                tally.leading_dropped_turns += normalized.dropped_leading
+            batch.append((rank, where, normalized.messages, normalized.dropped_leading))
+            if len(batch) == BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    results: dict[int, list] = {}
+    def selected() -> int:  # counted only for runs long enough to report on
+        count = source.count()
+        return count if max_samples is None else min(count, max_samples)
+
+    progress = Progress("tokenize", selected, unit="records", logger=log)
+    for done in _ordered_map(_encode_batch, batches(), workers, _init_worker,
+                             (model_dir, trust_remote_code, seq_length)):
+        for rank, where, outcome in done:
+            if outcome[0] == "skip":
+                tally.skip(where, outcome[1], outcome[2])
+                if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
+                    raise over_budget()
+                continue
+            _, samples, total, kept, dropped = outcome
+            results[rank] = samples
+            tally.drop_exchanges(where, dropped)
+            tally.num_conversations += 1
+            tally.num_split += len(samples) > 1
+            tally.num_truncated += sum(truncated for _, _, truncated in samples)
+            tally.assistant_tokens += total
+            tally.kept_tokens += kept
+        progress.advance_to(tally.num_records, detail=f"{tally.num_skipped} skipped")
+    if not budget.allows(tally.num_skipped, tally.num_records):
+        raise over_budget()
+    if not results:
+        raise DataError(f"{source.label}: no usable conversation among {tally.num_records} "
+                        f"records: the tokenized dataset is empty\n{tally.table()}")
+    return _flatten(results, tally)
+
+
+def _flatten(results: dict[int, list], tally: Tally) -> TokenizedSet:
+    samples = [sample for rank in sorted(results) for sample in results[rank]]
+    lengths = np.array([len(ids) for ids, _, _ in samples], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
+    ids = np.concatenate([ids for ids, _, _ in samples]).astype(np.int64)
+    mask = np.concatenate([mask for _, mask, _ in samples])
+    return TokenizedSet(ids, mask, offsets, tally)
+

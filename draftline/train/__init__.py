@@ -1,0 +1,1 @@
+"""train's library: data loader, the EAGLE-3 draft, checkpoints, the loop."""

@@ -1,0 +1,431 @@
+"""Train an EAGLE-3 draft with speculators 0.3.0 on pre-extracted hidden states.
+
+Reused from speculators: the model and its forward (TTT rollout, KL loss, per-step
+accuracies), its config classes and ``save_pretrained`` format, its data alignment
+(``shift_batch``), packing sampler and collate (see ``draftline.train.loader``), and the
+optimisation recipe of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip
+1.0).  Not reused: ``Trainer`` itself and its checkpointers -- they move the model to
+``local_rank`` (an int, so CUDA) and load checkpoints with ``map_location="cuda:0"``,
+checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
+CPU runs, mid-epoch resume and exact resume.  The loop below is the same few calls.
+
+CPU: speculators decorates ``Eagle3DraftModel.forward`` with ``@torch.compile``, and inductor
+fails on it on CPU (torch 2.10: ``InductorError: IndexError: tuple index out of range``
+after ~90 s of compiling), so CPU runs call it under
+``torch.compiler.set_stance("force_eager")`` -- documented API, scoped to the forward call
+and restored afterwards, unlike the process-global ``torch._dynamo.config.disable`` or
+``TORCHDYNAMO_DISABLE=1`` -- and use the dense-mask SDPA kernel from
+``draftline.train.draft``.
+
+Resume (``draftline.train.checkpoint``): the latest complete checkpoint of the same run spec
+is loaded and the same planned batches are replayed from there (``plan_steps``), so on CPU
+(same torch thread count) a resumed run ends with bit-identical weights.
+
+Speed (``python -m benchmarks.train`` measures it): ``precision`` (``auto``: bf16 autocast
+over float32 master weights on CUDA, float32 on CPU; see ``draftline.train.draft.Precision``)
+and the packed, pinned, prefetched loader of ``draftline.train.loader.PackedLoader``.
+
+Several processes (torchrun, ``draftline.pipeline.launch``): ``world`` says which rank this is.
+``max_tokens_per_step`` stays the global budget: each of N ranks packs ``1/N`` of it with
+speculators' distributed sampler (one global packing, dealt out by rank, the same number of
+batches on every rank), the draft is wrapped in ``DistributedDataParallel`` (gradients
+averaged, so a step sees the same tokens' gradient as one GPU with the whole budget, up to
+the per-rank loss normalisation), metrics are averaged over ranks once per step, and rank 0
+alone writes checkpoints and the draft.  A checkpoint holds no world size, so it resumes on
+another one (the batches from that step on are then the new world size's packing).
+bf16 autocast over float32 masters replicated by DDP fits one H200 even at Kimi-K2.5 draft
+dimensions (about 31 GiB), so no FSDP sharding is needed there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import get_linear_schedule_with_warmup
+
+from draftline.formats import TRAIN, VALIDATION, load_split, load_vocab_mapping
+from draftline.pipeline.artifacts import atomic_dir
+from draftline.pipeline.launch import World, rank_tokens
+from draftline.pipeline.progress import Progress
+from draftline.train.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
+from draftline.train.loader import (
+    HIDDEN_KEYS,
+    PackedLoader,
+    ShardSampleDataset,
+    epoch_batches,
+    make_sampler,
+    plan_steps,
+    steps_in_epochs,
+)
+from draftline.train.draft import (
+    Eagle3DraftModel,
+    Precision,
+    apply_precision,
+    build_draft,
+    resolve_precision,
+    set_attention,
+)
+
+__all__ = ["train", "latest_checkpoint", "Session", "make_session"]
+
+log = logging.getLogger(__name__)
+GRAD_CLIP = 1.0  # speculators' Trainer
+
+
+def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: torch.Tensor,
+                 t2d: torch.Tensor, num_layers: int, ttt_steps: int,
+                 seed: int) -> Eagle3DraftModel:
+    # Seeded init without disturbing the caller's RNG; CPU init makes it device-independent.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers,
+                           num_speculative_tokens=ttt_steps)
+
+
+def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
+             world: World) -> MultipackDistributedBatchSamplerV2:
+    """speculators' packing sampler; rank r of N gets its part of each global pack."""
+    return make_sampler(lengths, rank_tokens, seed, world.rank, world.world_size)
+
+
+def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
+                 epochs: int | None) -> int:
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps or epochs")
+    total = steps if steps is not None else steps_in_epochs(sampler, epochs)
+    if total < 1:
+        raise ValueError(f"training needs at least one step, got {total}")
+    return total
+
+
+def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int,
+               total_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """speculators' Trainer recipe: AdamW over trainable params, linear warm-up and decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    return optimizer, scheduler
+
+
+def _forward_mode(model: Eagle3DraftModel, device: str, compile: bool | None,
+                  attention: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """Pick compile and kernel: compiled flex on CUDA, eager + dense SDPA elsewhere."""
+    if compile is None:
+        compile = device.startswith("cuda")
+    if attention == "auto":
+        attention = "flex" if compile else "sdpa"
+    set_attention(model, attention)
+    if compile:
+        return contextlib.nullcontext
+    return lambda: torch.compiler.set_stance("force_eager")
+
+
+def _prepare_model(model: Eagle3DraftModel, device: str, precision: Precision) -> None:
+    """Move the draft to its device in its storage dtypes."""
+    apply_precision(model, precision)
+    model.to(device).train()
+
+
+def _wrap(model: Eagle3DraftModel, device: str, world: World,
+          ddp: bool | None = None) -> torch.nn.Module:
+    """DDP across ranks (it broadcasts rank 0's weights once); the model itself alone.
+
+    ``ddp=None`` wraps when there are several ranks; ``True`` wraps a single rank too (its
+    process group must exist), which is how the benchmark measures DDP's own cost.
+    No buffer broadcast: d2t/t2d are the same on every rank and never change.  Every
+    trainable parameter gets a gradient each step, so no search for unused ones.
+    """
+    if not (world.distributed if ddp is None else ddp):
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def _mean_over_ranks(values: torch.Tensor, world: World) -> torch.Tensor:
+    """Element-wise mean over ranks (one all-reduce); unchanged in a single process."""
+    if world.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= world.world_size
+    return values
+
+
+def _model_inputs(batch: dict, device: str, dtype: torch.dtype) -> dict:
+    """The batch on ``device`` with hidden states in ``dtype``, cast after the move.
+
+    No-ops for ``PackedLoader`` batches, which arrive that way; other batches (tests,
+    benchmarks) may come in any dtype or place.
+    """
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(dtype) if k in HIDDEN_KEYS else v for k, v in moved.items()}
+
+
+def _step_detail(metrics: dict, lr: float, ttt_steps: int) -> str:
+    """A step's loss, per-TTT-step loss and accuracies, and learning rate, for its log line."""
+    per_ttt = " | ".join(
+        f"ttt{k} loss {metrics[f'loss_{k}']:.4f} acc {metrics[f'full_acc_{k}']:.3f} "
+        f"cond {metrics[f'cond_acc_{k}']:.3f}" for k in range(ttt_steps))
+    return f"loss {metrics['loss']:.4f} | {per_ttt} | lr {lr:.2e}"
+
+
+@dataclasses.dataclass
+class Session:
+    """What every step needs: the draft, its optimizer/schedule and how to call it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: str
+    forward_mode: Callable[[], contextlib.AbstractContextManager]
+    ttt_steps: int
+    decay: float
+    precision: Precision
+    world: World = World()
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """speculators' forward with targets: (summed TTT loss, per-step metric tensors)."""
+        inputs = _model_inputs(batch, self.device, self.precision.input_dtype)
+        with self.forward_mode(), self.precision.autocast():
+            _draft_tokens, loss, metrics = self.model(
+                **inputs, ttt_steps=self.ttt_steps, ttt_step_loss_decay=self.decay)
+        return loss, metrics
+
+    def step(self, batch: dict) -> dict:
+        """One optimizer step exactly as speculators' Trainer.train_epoch does it.
+
+        The backward runs outside autocast (it follows the forward's dtypes), so gradients
+        land in the float32 master weights and AdamW updates those.
+        """
+        loss, metrics = self.forward(batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.scheduler.step()
+        return self._reduce(metrics)
+
+    def _reduce(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-rank metric tensors -> their mean over ranks, as floats."""
+        names = sorted(metrics)
+        stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in names])
+        stacked = stacked.to(self.device)  # NCCL reduces only device tensors
+        return dict(zip(names, _mean_over_ranks(stacked, self.world).tolist()))
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> dict:
+        """Mean of speculators' metrics over the batches (empty dict if none).
+
+        Ranks evaluate their own batches (the sampler gives each the same count), and the
+        per-rank means are averaged.
+        """
+        self.model.eval()
+        totals: dict[str, float] = {}
+        count = 0
+        for batch in loader:
+            for k, v in self.forward(batch)[1].items():
+                totals[k] = totals.get(k, 0.0) + v.item()
+            count += 1
+        self.model.train()
+        if not count:
+            return {}
+        return self._reduce({k: torch.tensor(v / count) for k, v in totals.items()})
+
+
+def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
+                 total_steps: int, ttt_steps: int, decay: float = 1.0,
+                 precision: str = "auto", compile: bool | None = None,
+                 attention: str = "auto", world: World = World(),
+                 ddp: bool | None = None) -> Session:
+    """The draft on ``device`` with its optimizer, schedule, precision and forward mode
+    (wrapped in DDP when ``world`` has several ranks, or when ``ddp``; ``device`` is this
+    rank's)."""
+    numerics = resolve_precision(precision, device)
+    _prepare_model(model, device, numerics)
+    mode = _forward_mode(model, device, compile, attention)
+    optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
+    return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode, ttt_steps,
+                   decay, numerics, world)
+
+
+def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
+              vocab_mapping: str | Path, verifier_dir: str | Path,
+              aux_layer_ids: Sequence[int], out: Path, **hyper) -> dict:
+    """Everything that shapes the result; a checkpoint resumes only the same spec. Inputs are
+    named relative to ``out`` (the checkpoints' own run), so a run dir copied to another
+    path or machine, with its inputs beside it as before, writes the same state and resumes."""
+    def where(path: str | Path) -> str:
+        return os.path.relpath(Path(path).absolute(), out.absolute())
+
+    return {
+        "shards": [where(s) for s in shards],
+        "split_index": where(split_index),
+        "vocab_mapping": where(vocab_mapping),
+        "verifier_dir": where(verifier_dir),
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        **hyper,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoaderSettings:
+    threads: int | None  # packing threads; None: from the CPUs this process may use
+    prefetch: int | None  # batches packed ahead; None: threads + 1
+
+    def loader(self, session: Session, dataset: ShardSampleDataset, batches: list,
+               max_tokens: int) -> PackedLoader:
+        return PackedLoader(dataset, batches, max_tokens, session.device,
+                            session.precision.input_dtype, self.threads, self.prefetch)
+
+
+def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path,
+          spec: dict, start: int, stop: int, checkpoint_every: int,
+          keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], Progress]:
+    """Run the planned steps; return per-step metrics and their progress (the rates)."""
+    total = spec["total_steps"]
+    max_tokens = rank_tokens(spec["max_tokens_per_step"], session.world)
+    loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
+    # A line per step: each carries that step's loss.
+    progress, history = Progress("train", total, start, unit="steps", interval=0.0, logger=log), []
+    log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
+    for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
+        lr = session.optimizer.param_groups[0]["lr"]
+        history.append(session.step(batch))
+        # Logged rate: this rank's tokens times the ranks (ranks pack about equal shares).
+        tokens = int(batch["lengths"].sum()) * session.world.world_size
+        progress.advance_to(step, tokens, _step_detail(history[-1], lr, session.ttt_steps))
+        if session.world.is_main and (step % checkpoint_every == 0 or step == stop):
+            state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1],
+                     "world_size": session.world.world_size}
+            save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
+                            session.scheduler, state, keep_checkpoints)
+    return history, progress
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The draft inside a DDP wrapper (its checkpoint keys carry no ``module.`` prefix)."""
+    return getattr(model, "module", model)
+
+
+def _validate(session: Session, shards: Sequence[str | Path], split_index: str | Path,
+              max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
+    """speculators' metrics averaged over the validation split ({} when it is empty)."""
+    rows = load_split(split_index, VALIDATION)
+    if len(rows) < session.world.world_size:  # the distributed sampler would deal none
+        return {}
+    dataset = ShardSampleDataset(shards, rows)
+    batches = epoch_batches(_sampler(dataset.lengths, max_tokens, seed, session.world), 0)
+    return session.evaluate(loading.loader(session, dataset, batches, max_tokens))
+
+
+def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence[int],
+                draft_vocab_size: int) -> tuple[dict | None, list[dict]]:
+    """vLLM's reading of the saved draft (None if not checked), and what was skipped and why.
+
+    ``None`` checks when vLLM is installed: training hosts need not have it (the benchmark
+    and GPU training environments do not), and nothing on the training path imports it.
+    """
+    what = "vLLM parse of the saved draft"
+    if check_vllm is None and importlib.util.find_spec("vllm") is None:
+        log.warning("vLLM is not installed: the saved draft's vLLM parse was skipped")
+        return None, [{"what": what, "reason": "vLLM is not installed here"}]
+    if check_vllm is False:
+        return None, [{"what": what, "reason": "turned off by the caller (check_vllm=False)"}]
+    from draftline.evaluate.in_vllm import check_vllm_parse  # evaluate's check, the parse alone
+
+    return check_vllm_parse(draft_dir, aux_layer_ids, draft_vocab_size), []
+
+
+def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path:
+    """speculators' save format: config.json + model.safetensors (with d2t/t2d buffers)."""
+    model.to(getattr(torch, save_dtype))  # d2t/t2d are integer/bool buffers: unchanged
+    path = out_dir / "draft"
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(str(tmp))
+    return path
+
+
+def _summary(history: list[dict], progress: Progress, start: int, stop: int, total: int,
+             last: dict) -> dict:
+    return {
+        "steps": stop, "total_steps": total, "completed": stop == total, "resumed_from": start,
+        "final": history[-1] if history else last,
+        "loss_history": [m["loss"] for m in history],
+        "tokens_per_second": progress.tokens_per_second() if history else None,
+        "seconds_per_step": 1 / progress.rate() if history else None,
+        "validation": {}, "draft_dir": None, "vllm": None, "skipped": [],
+    }
+
+
+def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: str | Path,
+          verifier_dir: str | Path, out_dir: str | Path, aux_layer_ids: Sequence[int], *,
+          steps: int | None = None, epochs: int | None = None, lr: float = 3e-4,
+          warmup_steps: int | None = None, ttt_steps: int = 3,
+          ttt_step_loss_decay: float = 1.0, max_tokens_per_step: int = 512, seed: int = 0,
+          device: str = "cpu", checkpoint_every: int = 100, keep_checkpoints: int | None = 2,
+          num_layers: int = 1, loader_threads: int | None = None,
+          prefetch_batches: int | None = None, stop_after: int | None = None,
+          compile: bool | None = None, attention: str = "auto", precision: str = "auto",
+          save_dtype: str = "bfloat16", check_vllm: bool | None = None,
+          world: World = World()) -> dict:
+    """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
+
+    ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
+    time-sliced jobs; the next call resumes.  ``warmup_steps=None`` is speculators'
+    default (1% of the steps).  ``compile=None`` compiles on CUDA only; ``attention="auto"``
+    is speculators' flex kernel when compiled, the dense SDPA kernel otherwise.
+    ``precision``: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
+    ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
+    (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
+    installed.  ``world``: this process's rank among torchrun's (the process group is set
+    up by the caller; ``device`` is this rank's); only rank 0 writes.  Returns
+    ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
+    per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
+    ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
+    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one).
+    """
+    out = Path(out_dir)
+    numerics = resolve_precision(precision, device)
+    d2t, t2d = load_vocab_mapping(vocab_mapping)
+    model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
+    train_set = ShardSampleDataset(shards, load_split(split_index, TRAIN))
+    tokens_per_rank = rank_tokens(max_tokens_per_step, world)
+    sampler = _sampler(train_set.lengths, tokens_per_rank, seed, world)
+    total = _total_steps(sampler, steps, epochs)
+    warmup = total // 100 if warmup_steps is None else warmup_steps
+    spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids, out,
+                     total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
+                     ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
+                     max_tokens_per_step=max_tokens_per_step, precision=numerics.name)
+    session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
+                           ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
+                           precision=numerics.name, compile=compile, attention=attention,
+                           world=world)
+    start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
+                                    device)
+    loading = _LoaderSettings(loader_threads, prefetch_batches)
+    stop = total if stop_after is None else max(start, min(total, stop_after))
+    history, progress = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
+                              start, stop, checkpoint_every, keep_checkpoints, loading)
+    result = {**_summary(history, progress, start, stop, total, last), "precision": numerics.name,
+              "world_size": world.world_size}
+    if stop < total:
+        return result
+    result["validation"] = _validate(session, shards, split_index, tokens_per_rank, seed, loading)
+    if not world.is_main:
+        return result
+    result["draft_dir"] = str(_save_draft(model, out, save_dtype))
+    result["vllm"], result["skipped"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids,
+                                                    d2t.numel())
+    return result
