@@ -6,7 +6,9 @@
 
 The patched vLLM (patches/vllm/) serves DeepseekV3 and Kimi-K2.5 targets and runs on the CPU
 engine too, where it is slow: for trying the API, not for speed. The command is written to
-runs/<EXP>/serve/command.json, then this process becomes the server.
+runs/<EXP>/serve/command.json, then this process becomes the server. It listens on loopback
+(serve.host: 127.0.0.1); another address needs an API key in VLLM_API_KEY, which vLLM reads from
+the environment and the project never writes (`-H "Authorization: Bearer $VLLM_API_KEY"`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,35 @@ from omegaconf import DictConfig
 from draftline.pipeline import artifacts, config
 
 log = logging.getLogger("draftline.serve")
+API_KEY = "VLLM_API_KEY"  # vLLM reads it from the environment: it never enters argv or a file
+# Inside the compose service the container's own network is private: its published port decides
+# who can reach it (the host's loopback unless DRAFTLINE_SERVE_HOST says otherwise).
+IN_CONTAINER = "DRAFTLINE_SERVE_IN_CONTAINER"
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_exposure(host: str, extra_args: list[str], environ=os.environ) -> None:
+    """Refuse a server reachable beyond this machine without a key, and a key on the command
+    line (it would land in serve/command.json, the log and the process list)."""
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra_args):
+        raise ValueError(f"serve.extra_args holds --api-key, which would be written to "
+                         f"serve/command.json, the log and the process list: set {API_KEY} in the "
+                         "environment instead (vLLM reads it there)")
+    if is_loopback(host) or environ.get(IN_CONTAINER) == "1" or environ.get(API_KEY):
+        return
+    raise ValueError(f"serve.host={host} listens beyond this machine with no API key: set {API_KEY} "
+                     f"in the environment (vLLM then requires it of every request), or keep "
+                     f"serve.host=127.0.0.1")
 
 
 def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
@@ -33,6 +64,7 @@ def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
     draft = Path(cfg.serve.draft or train["draft"])
     if not (draft / "config.json").is_file():
         raise FileNotFoundError(f"{draft}/config.json missing: no trained draft to serve")
+    check_exposure(str(cfg.serve.host), [str(a) for a in cfg.serve.extra_args])
     k = int(cfg.serve.steps or num_speculative_tokens(draft))
     options = config.engine_options(cfg, cfg.serve)
     command = serve.serve_command(options, draft.absolute(), k, host=str(cfg.serve.host),
@@ -46,14 +78,23 @@ def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
 def main(cfg: DictConfig) -> None:
     import torch
 
+    config.fill_from_local(cfg)
     command, env = server_command(cfg)
     if not torch.cuda.is_available():
         log.warning("no GPU: serving on vLLM's CPU engine, which is slow (for trying the API, "
                     "not for measuring speed)")
+    write_command(cfg, command, env)
+    if os.environ.get(API_KEY):
+        log.info("requests need the API key in %s (not written anywhere)", API_KEY)
+    os.execve(sys.executable, command, {**os.environ, **env})
+
+
+def write_command(cfg: DictConfig, command: list[str], env: dict[str, str]) -> None:
+    """serve/command.json and the log line: what runs, without the environment's secrets (the
+    key travels only in this process's environment, which the server inherits)."""
     artifacts.write_json(config.stage_dir(cfg, "serve") / "command.json",
                          {"command": command, "environment": env})
     log.info("exec: %s", " ".join(command))
-    os.execve(sys.executable, command, {**os.environ, **env})
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def run_other_rank(cfg: DictConfig, world: launch.World) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    config.fill_from_local(cfg)  # every rank, not only the one that runs run_stage
     gpus, nodes = int(cfg.train.gpus), int(cfg.train.nodes)
     if (gpus > 1 or nodes > 1) and not launch.under_torchrun():
         overrides = list(HydraConfig.get().overrides.task)

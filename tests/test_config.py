@@ -1,8 +1,10 @@
 """The real Hydra config: every experiment composes, and stamps change only with config."""
 
+import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from draftline.pipeline import artifacts, config
 
@@ -76,3 +78,32 @@ def test_launch_keys_change_no_stamp_and_are_recorded_apart():
     assert config.launch_config(launched, "train") == {"train": {
         "gpus": 8, "nodes": 2, "rendezvous": "host:29500", "collective_timeout_s": 60}}
     assert config.launch_config(launched, "extract") == {"extract": {"replicas": 1, "shard": None}}
+
+
+def _conf_copy(tmp_path: Path, local: str | None) -> Path:
+    """The project's conf/ in a temporary dir (never the user's conf/local.yaml), with ``local``."""
+    conf = tmp_path / "conf"
+    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns(config.LOCAL))
+    if local is not None:
+        (conf / config.LOCAL).write_text(local)
+    return conf
+
+
+def test_conf_local_fills_what_an_experiment_leaves_required_and_nothing_else(tmp_path):
+    conf = _conf_copy(tmp_path / "with", "model:\n  path: /models/kimi-k2.5\ndata:\n  path: /data/chats.jsonl\n")
+    plain = _conf_copy(tmp_path / "without", None)
+    kimi = config.compose(["experiment=kimi-k2.5"], conf_dir=conf)
+    assert kimi.model.path == "/models/kimi-k2.5" and kimi.data.path == "/data/chats.jsonl"
+    assert OmegaConf.is_missing(config.compose(["experiment=kimi-k2.5"], conf_dir=plain).model, "path")
+    # An experiment that sets its own paths (the embedded runs, make smoke, the tests) is unchanged.
+    for exp in ("tiny", "tiny-trained"):
+        assert OmegaConf.to_container(config.compose([f"experiment={exp}"], conf_dir=conf), resolve=True) == \
+            OmegaConf.to_container(config.compose([f"experiment={exp}"], conf_dir=plain), resolve=True)
+    # A command-line override is not required any more: it wins.
+    assert config.compose(["experiment=kimi-k2.5", "model.path=/other"], conf_dir=conf).model.path == "/other"
+
+
+def test_a_key_conf_local_misspells_is_refused(tmp_path):
+    conf = _conf_copy(tmp_path, "model:\n  pth: /models/kimi-k2.5\n")
+    with pytest.raises(ValueError, match=r"local.yaml: model.pth is no config key"):
+        config.compose(["experiment=kimi-k2.5"], conf_dir=conf)

@@ -209,7 +209,7 @@ def test_rendered_compose_mounts_models_and_serves(tmp_path):
         pytest.skip("needs docker-compose (apt-get install docker-compose) or docker compose")
     models = tmp_path / "models"
     env = {**os.environ, "DRAFTLINE_MODELS": str(models), "DRAFTLINE_SERVE_PORT": "18123",
-           "EXP": "kimi-k2.5"}
+           "EXP": "kimi-k2.5", "VLLM_API_KEY": "passed-through"}
     rendered = subprocess.run([*command, "-f", str(REPO / "docker-compose.yml"), "config"],
                               cwd=REPO, env=env, capture_output=True, text=True)
     assert rendered.returncode == 0, rendered.stderr
@@ -220,6 +220,11 @@ def test_rendered_compose_mounts_models_and_serves(tmp_path):
         assert bind_mounts(services[name]).get("/app/models") == (str(models), True), name
     serve = services["serve"]
     assert (18123, 8000) in published_ports(serve)
+    # Published on the host's loopback only; the key reaches vLLM from the caller's environment.
+    assert [p.get("host_ip") if isinstance(p, dict) else p.split(":")[0] for p in serve["ports"]] == ["127.0.0.1"]
+    environment = serve["environment"]
+    assert environment["VLLM_API_KEY"] == "passed-through"
+    assert environment["DRAFTLINE_SERVE_IN_CONTAINER"] == "1" and "HF_HOME" in environment
     assert re.search(r"\bmake serve EXP=kimi-k2.5\b", " ".join(serve["command"])
                      if isinstance(serve["command"], list) else serve["command"])
     devices = serve["deploy"]["resources"]["reservations"]["devices"]

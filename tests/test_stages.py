@@ -157,3 +157,62 @@ def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
     with pytest.raises(FileExistsError):
         train_stage.link_draft(cfg)
     assert link.is_dir() and not link.is_symlink()
+
+
+# --------------------------------------------------------------------------- serve: safe by default
+
+SENTINEL_KEY = "sk-draftline-sentinel-7f3a91"
+
+
+def _serve_cfg(tmp_path, model_dir, *overrides):
+    from draftline.pipeline import artifacts
+
+    run_dir = tmp_path / "run"
+    draft = run_dir / "train" / "0123456789ab" / "draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text("{}")
+    artifacts.write_json(run_dir / "train" / artifacts.MANIFEST, {"draft": str(draft)})
+    return compose("tiny", f"run_dir={run_dir}", f"model.path={model_dir}", "serve.steps=3", *overrides), run_dir
+
+
+def test_serve_listens_on_loopback_by_default_and_never_writes_the_key(tmp_path, model_dir, monkeypatch):
+    from stages import serve as serve_stage
+
+    monkeypatch.setenv("VLLM_API_KEY", SENTINEL_KEY)
+    for host in ("127.0.0.1", "0.0.0.0"):  # the default, and beyond loopback with the key set
+        overrides = () if host == "127.0.0.1" else (f"serve.host={host}",)
+        cfg, run_dir = _serve_cfg(tmp_path / host, model_dir, *overrides)
+        command, env = serve_stage.server_command(cfg)
+        assert command[command.index("--host") + 1] == host
+        serve_stage.write_command(cfg, command, env)
+        assert SENTINEL_KEY not in " ".join(command) and SENTINEL_KEY not in json.dumps(env)
+        written = [p for p in run_dir.rglob("*") if p.is_file()]
+        assert run_dir / "serve" / "command.json" in written
+        assert not [p for p in written if SENTINEL_KEY in p.read_text(errors="replace")]
+
+
+def test_serve_beyond_loopback_without_a_key_or_with_a_key_in_argv_is_refused(tmp_path, model_dir, monkeypatch):
+    from stages import serve as serve_stage
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv(serve_stage.IN_CONTAINER, raising=False)
+    cfg, _ = _serve_cfg(tmp_path / "a", model_dir, "serve.host=0.0.0.0")
+    with pytest.raises(ValueError, match=r"serve.host=0.0.0.0 listens beyond this machine with no API "
+                                         r"key: set VLLM_API_KEY in the environment"):
+        serve_stage.server_command(cfg)
+    cfg, _ = _serve_cfg(tmp_path / "b", model_dir, f"serve.extra_args=[--api-key,{SENTINEL_KEY}]")
+    with pytest.raises(ValueError, match="serve.extra_args holds --api-key"):
+        serve_stage.server_command(cfg)
+    # The compose service binds the container's addresses; its port is published on loopback.
+    monkeypatch.setenv(serve_stage.IN_CONTAINER, "1")
+    cfg, _ = _serve_cfg(tmp_path / "c", model_dir, "serve.host=0.0.0.0")
+    assert serve_stage.server_command(cfg)[0]
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+                                            ("localhost", True), ("0.0.0.0", False), ("::", False),
+                                            ("10.0.0.5", False), ("myhost", False)])
+def test_loopback_addresses(host, loopback):
+    from stages import serve as serve_stage
+
+    assert serve_stage.is_loopback(host) is loopback

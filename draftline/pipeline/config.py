@@ -33,13 +33,48 @@ LAUNCH_KEYS = {"extract": ("replicas", "shard"),
                "train": ("gpus", "nodes", "rendezvous", "collective_timeout_s")}
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    """The root config for these overrides (the same tree a stage's @hydra.main gets)."""
+LOCAL = "local.yaml"  # untracked: this machine's paths (model.path, data.path, ...)
+
+
+def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> DictConfig:
+    """The root config for these overrides (the same tree a stage's @hydra.main gets, once
+    ``fill_from_local`` has run on it)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return fill_from_local(cfg, conf_dir / LOCAL)
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def fill_from_local(cfg: DictConfig, local: Path = CONF_DIR / LOCAL) -> DictConfig:
+    """Fill the values the composed config leaves required (``???``) from conf/local.yaml.
+
+    Only required values: a path set there never changes an experiment that sets its own (the
+    embedded runs, `make smoke`, the tests), and a command-line override still wins. A key that
+    is no config key is refused, so a misspelled one cannot be silently ignored.
+    """
+    if not local.exists():
+        return cfg
+    values = OmegaConf.to_container(OmegaConf.load(local), resolve=False) or {}
+    for key, value in _leaves(values):
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or leaf not in node.keys():  # `in` is False for ???
+            raise ValueError(f"{local}: {key} is no config key (see conf/ for the keys)")
+        if OmegaConf.is_missing(node, leaf):
+            node[leaf] = value
+    return cfg
 
 
 def experiment_overrides(exp: str, extra: list[str]) -> list[str]:

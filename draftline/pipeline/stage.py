@@ -36,6 +36,7 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
     leaves the record Make compares against. A manifest of an earlier run goes first: a run
     that fails must not leave one behind that reads as its success.
     """
+    config.fill_from_local(cfg)  # as `make` stamping composed it
     stage_dir = config.stage_dir(cfg, stage)
     resolved = config.stage_config(cfg, stage)
     artifacts.write_stamp(stage_dir / artifacts.STAMP, resolved)
@@ -63,6 +64,7 @@ def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None], rec
     numerics and failure handling as ``run_stage``, but no stamp and no manifest: the
     process that writes the manifest checks what the parts left on disk, and adds the
     dependency record each part leaves at ``record`` once its work is done."""
+    config.fill_from_local(cfg)
     start = time.monotonic()
     try:
         numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))

@@ -1,0 +1,93 @@
+"""No CUDA driver initialization before a vLLM engine forks its workers (stages/__init__.py).
+
+On a CPU torch ``is_available()`` starts nothing, so a plain test cannot fail: the default-tier
+test spies on every torch.cuda call an entry point makes and checks the NVML-based check was on
+by then. The gpu test reproduces the fork failure on a CUDA host, with the old order and the fix.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = sorted(f"{p.parent.name}.{p.stem}" for folder in ("stages", "benchmarks")
+                      for p in (REPO / folder).glob("*.py") if p.stem != "__init__")
+SPY = """
+import json, os, sys
+os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+import torch
+seen = []
+def spy(name, real):
+    def call(*args, **kwargs):
+        seen.append([name, os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")])
+        return real(*args, **kwargs)
+    return call
+for name in ("is_available", "device_count", "get_device_name", "get_device_properties",
+             "current_device", "set_device", "init", "mem_get_info"):
+    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+import importlib
+module = importlib.import_module(sys.argv[1])
+seen.append(["imported", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")])
+if sys.argv[1] == "stages.extract":  # the preflight that asks before speculators imports vLLM
+    module.check_devices(1)
+    module.replica_environments(1, 1)
+print(json.dumps(seen))
+"""
+
+
+def test_every_entry_point_is_one_of_the_known():
+    assert {"stages.extract", "stages.regenerate", "stages.evaluate", "stages.serve",
+            "benchmarks.extract", "benchmarks.serve", "benchmarks.train"} <= set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_cuda_is_asked_only_through_nvml_from_every_entry_point(entry):
+    result = subprocess.run([sys.executable, "-c", SPY, entry], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    if entry == "stages.extract":
+        assert {"is_available", "device_count"} & {name for name, _ in seen}, seen  # the spy saw them
+    assert all(value == "1" for _, value in seen), seen
+
+
+GPU_PROBE = """
+import os, sys
+if sys.argv[1] == "fixed":
+    import stages  # the stage boundary: what every `python -m stages.<stage>` imports first
+import torch
+if sys.argv[1] == "extract":
+    from stages.extract import check_devices
+    check_devices(1)  # extract's own preflight, before speculators imports vLLM
+else:
+    assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
+pid = os.fork()
+if pid == 0:
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        print("child: CUDA works", flush=True)
+        os._exit(0)
+    except Exception as error:
+        print(f"child: {type(error).__name__}: {error}", flush=True)
+        os._exit(3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order, code", [("old", 3), ("fixed", 0), ("extract", 0)])
+def test_a_child_forked_after_the_device_check_can_use_cuda(order, code):
+    if order == "extract":
+        pytest.importorskip("hydra")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    result = subprocess.run([sys.executable, "-c", GPU_PROBE, order], cwd=REPO, capture_output=True,
+                            text=True, env=env, timeout=120)
+    print(f"{order}: exit {result.returncode}: {result.stdout.strip()}")
+    assert result.returncode == code, result.stdout + result.stderr
+    if order == "old":
+        assert "Cannot re-initialize CUDA in forked subprocess" in result.stdout
