@@ -317,7 +317,6 @@ def main() -> None:
     argv = sys.argv[1:]
     if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
         return  # nothing that feeds a stamp changed since the last compose
-    from draftline.pipeline import config
     from draftline.tiny import embedded
 
     try:
