@@ -197,3 +197,14 @@ def _json(value) -> str:
     import json
 
     return json.dumps(value)
+
+
+def worker_failure(executor) -> str | None:
+    """After a call into vLLM's multiproc executor failed: the reason, if a worker process
+    ended it. A worker that raises where only another rank answers ends its process
+    (patches/vllm/0004); the executor then shuts down and the caller sees only "cancelled"."""
+    if executor is None or not getattr(executor, "is_failed", False):
+        return None
+    return ("vLLM's engine was shut down because one of its worker processes died: the log "
+            "above names it (\"Worker proc ... died unexpectedly\") and holds its traceback "
+            "(\"WorkerProc hit an exception\")")

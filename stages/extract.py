@@ -199,6 +199,11 @@ def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
         shards.extract_shards(generator, plans, inputs.samples, inputs.masks, inputs.out_dir,
                                   int(cfg.extract.token_budget), cfg.extract.save_dtype,
                                   shard_metadata(cfg, inputs), progress)
+    except Exception as error:
+        failure = engine.worker_failure(getattr(generator, "executor", None))
+        if failure is None:
+            raise
+        raise RuntimeError(failure) from error
     finally:
         generator.shutdown()
 

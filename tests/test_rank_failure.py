@@ -1,0 +1,106 @@
+"""A failing TP rank ends the run (patches/vllm/0004): TP=2 on the CPU engine, with a fault
+injected into rank 1 through tests/faults/sitecustomize.py (installed files are never edited).
+
+Without the patch, rank 1 logs its traceback and loops on while rank 0 waits for it in the
+forward pass's all-reduce and the driver waits for rank 0: the stage hangs (these tests then
+fail at their subprocess timeout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from draftline import engine, formats
+from draftline.pipeline import artifacts
+from draftline.tiny import targets
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = Path(__file__).resolve().parent / "faults"
+CAPTURE = "speculators.data_generation.custom_worker:HiddenStatesWorkerExtension._capture_step"
+EXECUTE = "vllm.v1.worker.cpu_worker:CPUWorker.execute_model"
+BOUND_S = 60  # from the fault to the process's exit: worker monitor + executor shutdown
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+
+
+def fault_env(method: str, stamp: Path, after: int = 0) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != engine.THREADS_BIND}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO)]),
+            "DRAFTLINE_FAULT": method, "DRAFTLINE_FAULT_RANK": "1",
+            "DRAFTLINE_FAULT_AFTER": str(after), "DRAFTLINE_FAULT_STAMP": str(stamp),
+            "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def run_until_exit(command: list[str], env: dict, stamp: Path) -> tuple[subprocess.CompletedProcess, float]:
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    if not stamp.exists():
+        raise AssertionError(f"the fault never fired (exit {result.returncode}):\n{result.stderr[-5000:]}")
+    return result, ended - float(stamp.read_text())
+
+
+def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    regenerate_dir = run_dir / "regenerate"
+    lengths = [48] * 8
+    ids = [[7 + (i * 5 + j) % 400 for j in range(n)] for i, n in enumerate(lengths)]
+    formats.write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
+    artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
+    stamp = tmp_path / "fault-time"
+    result, seconds = run_until_exit(
+        [sys.executable, "-m", "stages.extract", "experiment=tiny", f"run_dir={run_dir}",
+         f"model.path={model_dir}", "model.tensor_parallel_size=2"],
+        fault_env(CAPTURE, stamp), stamp)
+    output = result.stdout + result.stderr
+    print(f"extract: exit {result.returncode} {seconds:.1f} s after the fault; last lines:\n"
+          + "\n".join(result.stderr.splitlines()[-15:]))
+    assert result.returncode != 0
+    assert seconds < BOUND_S
+    assert "InjectedFault: injected fault in " + CAPTURE + " on TP rank 1" in output
+    assert "died unexpectedly" in output
+    assert "Worker proc VllmWorker-1 died unexpectedly" in output
+    assert ("RuntimeError: vLLM's engine was shut down because one of its worker processes died: the "
+        "log above names it (\"Worker proc ... died unexpectedly\") and holds its traceback "
+        "(\"WorkerProc hit an exception\")") in "\n".join(result.stderr.splitlines()[-15:])
+    assert not (run_dir / "extract" / artifacts.MANIFEST).exists()
+
+
+def test_a_failing_tp_rank_ends_speculative_decoding(tmp_path, model_dir):
+    from test_serving import _save_draft
+
+    from draftline import serve
+
+    draft = _save_draft(model_dir, [1, 2, 3], tmp_path / "draft")
+    options = engine.EngineOptions(target=str(model_dir), dtype="float32", max_model_len=256,
+                                   tensor_parallel_size=2, max_num_seqs=2, cpu_threads_bind="0|1"
+                                   if len(os.sched_getaffinity(0)) >= 2 else None)
+    stamp = tmp_path / "fault-time"
+    request = tmp_path / "request.json"
+    import dataclasses
+    import json
+
+    request.write_text(json.dumps({
+        "draft": str(draft), "k": 3, "prompts": [[0, 4, 60, 70, 80, 6, 5]], "max_tokens": [32],
+        "stop_ids": [1], "options": dataclasses.asdict(options)}))
+    env = {**fault_env(EXECUTE, stamp, after=20), **options.environment()}
+    result, seconds = run_until_exit(
+        [sys.executable, "-m", "draftline.serve", "measure-replies", str(request),
+         str(tmp_path / "out.json")], env, stamp)
+    output = result.stdout + result.stderr
+    print(f"speculative decoding: exit {result.returncode} {seconds:.1f} s after the fault; "
+          "last lines:\n" + "\n".join(result.stderr.splitlines()[-12:]))
+    assert result.returncode != 0
+    assert seconds < BOUND_S
+    assert "InjectedFault: injected fault in " + EXECUTE + " on TP rank 1" in output
+    assert "died unexpectedly" in output
+    assert not (tmp_path / "out.json").exists()
