@@ -229,6 +229,14 @@ lint-docker: $(VENV)/bin/hadolint ## Lint the Dockerfile with hadolint
 test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+.PHONY: selftest
+# On a GPU host (in the gpu image) before the first big run: the `gpu`-marked tests, which no
+# CPU machine can run (README "Before the first big run" says what they catch). A host
+# without a visible GPU fails here rather than skipping every test.
+selftest: setup ## GPU host self-test before the first big run: the gpu-marked tests (needs a CUDA GPU)
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make selftest: no CUDA GPU visible to torch (run it in the gpu image on the GPU host)')"
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
 .PHONY: mutation
 mutation: setup ## Mutation score per claim-carrying module (mutmut); table in runs/_mutation/
 	$(PY) -m benchmarks.mutation run
