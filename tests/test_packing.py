@@ -103,10 +103,12 @@ def test_too_few_samples_for_every_rank_are_left_out_loudly(caplog):
 
 
 def test_a_step_short_of_ranks_is_split_not_dropped():
-    lengths = [400, 400, 400, 300, 300]  # 1800 tokens: two bins of 1000, dealt to 2 ranks
+    """Three bins (900 + 100, 800, 700) for two ranks: the two-sample bin becomes two."""
+    lengths = [900, 800, 700, 100]
+    assert len(pack_bins(lengths, 1000, seed=0, epoch=0)) == 3
     steps = StepPlanner(lengths, 1000, seed=0, world_size=2).steps(0)
-    assert sorted(i for step in steps for b in step for i in b.tolist()) == [0, 1, 2, 3, 4]
-    assert all(len(step) == 2 for step in steps)
+    assert sorted(i for step in steps for b in step for i in b.tolist()) == [0, 1, 2, 3]
+    assert len(steps) == 2 and all(len(step) == 2 for step in steps)
 
 
 def test_long_samples_are_spread_over_the_epoch_not_pushed_to_its_end():
