@@ -21,7 +21,8 @@ Cases:
    With ``--world-size N`` the 8,192 are the global budget, N ranks of 8192/N each.
 
 Printed per case: fill over the plan's steps (and over the benchmark's timed steps), the worst
-step and the 1st percentile of steps, steps planned per epoch, and the share of tokens cut because a sample exceeds the budget.
+step and the 1st percentile of steps, steps planned per epoch, and the share of tokens cut
+because a sample exceeds the budget.
 """
 
 from __future__ import annotations

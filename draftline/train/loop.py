@@ -3,10 +3,10 @@
 Reused from speculators: the model and its forward (TTT rollout, KL loss, per-step
 accuracies), its config classes and ``save_pretrained`` format, its data alignment
 (``shift_batch``) and collate (see ``draftline.train.loader``), and the optimisation recipe
-of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip 1.0).  Not its packing
-sampler: steps are planned by ``draftline.train.packing`` to fill the token budget.  Not reused: ``Trainer`` itself and its checkpointers -- they move the model to
-``local_rank`` (an int, so CUDA) and load checkpoints with ``map_location="cuda:0"``,
-checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
+of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip 1.0).  Not reused:
+its packing sampler (``draftline.train.packing`` plans steps that fill the token budget), and
+``Trainer`` itself and its checkpointers -- they move the model to ``local_rank`` (an int,
+so CUDA) and load checkpoints with ``map_location="cuda:0"``, checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
 CPU runs, mid-epoch resume and exact resume.  The loop below is the same few calls.
 
 CPU: speculators decorates ``Eagle3DraftModel.forward`` with ``@torch.compile``, and inductor
