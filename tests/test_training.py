@@ -26,6 +26,7 @@ from draftline.train.loader import (
     MappedShard,
     PackedLoader,
     ShardSampleDataset,
+    epoch_batches,
     make_loader,
     make_sampler,
     plan_steps,
@@ -34,6 +35,7 @@ from draftline.train.loader import (
 from draftline.train.checkpoint import latest_checkpoint
 from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import train
+from draftline.train.packing import PACKING
 
 REPO = Path(__file__).resolve().parents[1]
 AUX_IDS = [2, 3, 4]
@@ -161,7 +163,7 @@ def test_dataset_yields_shifted_speculators_samples(data):
 
 def test_packing_respects_token_budget(data):
     dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
-    batches = list(make_sampler(dataset.lengths, MAX_TOKENS, seed=0))
+    batches = epoch_batches(make_sampler(dataset.lengths, MAX_TOKENS, seed=0), 0)
     assert sorted(i for b in batches for i in b.tolist()) == list(range(len(dataset)))
     for batch in make_loader(dataset, batches, MAX_TOKENS):
         assert batch["hidden_states"].shape == (1, MAX_TOKENS, 3 * HIDDEN)
@@ -253,8 +255,8 @@ def test_split_index_must_match_shards(data, tmp_path):
 
 def test_dense_sdpa_matches_speculators_flex_attention(data):
     dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
-    batch = next(iter(make_loader(dataset, list(make_sampler(dataset.lengths, MAX_TOKENS, 0)),
-                                  MAX_TOKENS)))
+    batches = epoch_batches(make_sampler(dataset.lengths, MAX_TOKENS, 0), 0)
+    batch = next(iter(make_loader(dataset, batches, MAX_TOKENS)))
     draft = build_draft(data["verifier"], AUX_IDS, data["d2t"], data["t2d"])
     results = {}
     for kind in ("flex", "sdpa"):
@@ -324,6 +326,14 @@ def uninterrupted(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     return out, _train(data, out, "full", check_vllm=True, checkpoint_every=2,
                        keep_checkpoints=2)
+
+
+def test_a_run_records_the_optimizer_that_ran_and_its_step_planner(uninterrupted):
+    out, result = uninterrupted
+    assert result["optimizer"] == {"name": "AdamW", "implementation": "fused"}  # CPU has it
+    assert result["packing"] == PACKING
+    state = json.loads((latest_checkpoint(out) / "state.json").read_text())
+    assert state["optimizer"] == "fused" and state["spec"]["packing"] == PACKING
 
 
 def test_resume_is_bit_identical(data, uninterrupted, tmp_path):

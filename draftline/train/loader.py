@@ -4,9 +4,10 @@ Upstream stages write safetensors shards (layout and keys: ``draftline.formats``
 slots in order and the post-norm final slot last, ``input_ids``, ``loss_mask``,
 ``sample_offsets``, ``sample_ids``) and a split index whose rows are
 ``(shard_index, sample_row_in_shard, length)``.  speculators' conventions are kept exactly:
-``shift_batch`` (token/target alignment), ``MultipackDistributedBatchSamplerV2`` (packing by
-token budget, seeded per epoch) and ``create_collate_fn`` (concatenate, pad to the budget,
-truncate ``lengths``).
+``shift_batch`` (token/target alignment) and ``create_collate_fn`` (concatenate, pad to the
+budget, truncate ``lengths``).  Which samples make up each step is ``draftline.train.packing``'s
+plan (packed to fill the token budget, seeded per epoch), which replaced speculators'
+``MultipackDistributedBatchSamplerV2`` (0.92-0.93 fill at the benchmark dims).
 
 Two ways to load the same batches:
 
@@ -38,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from speculators.train.data import create_collate_fn, shift_batch
-from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader, Dataset
 
 from draftline import formats
+from draftline.train.packing import StepPlanner
 
 __all__ = [
     "HIDDEN_KEYS",
@@ -293,30 +294,26 @@ class ShardSampleDataset(Dataset):
 
 
 def make_sampler(lengths: Sequence[int], max_tokens: int, seed: int, rank: int = 0,
-                 world_size: int = 1) -> MultipackDistributedBatchSamplerV2:
-    """speculators' packing sampler; its order depends on seed + epoch.
+                 world_size: int = 1) -> StepPlanner:
+    """The step planner (``draftline.train.packing``); its order depends on seed + epoch.
 
     ``max_tokens`` is one process's budget.  With several processes (torchrun) each passes
-    its rank: the sampler packs once for all of them and deals rank r its own batches.
+    its rank: the planner packs once for all of them and deals rank r its own batches.
     """
-    return MultipackDistributedBatchSamplerV2(
-        batch_max_length=max_tokens, lengths=list(lengths), num_replicas=world_size,
-        rank=rank, seed=seed
-    )
+    return StepPlanner(lengths, max_tokens, seed, rank, world_size)
 
 
-def epoch_batches(sampler: MultipackDistributedBatchSamplerV2, epoch: int) -> list[np.ndarray]:
+def epoch_batches(sampler: StepPlanner, epoch: int) -> list[np.ndarray]:
     """Sample indices of each packed batch of one epoch, in training order."""
-    sampler.set_epoch(epoch)
-    return list(sampler)
+    return sampler.batches(epoch)
 
 
-def steps_in_epochs(sampler: MultipackDistributedBatchSamplerV2, epochs: int) -> int:
+def steps_in_epochs(sampler: StepPlanner, epochs: int) -> int:
     """Optimizer steps in ``epochs`` passes (the packing, so the count, varies per epoch)."""
     return sum(len(epoch_batches(sampler, epoch)) for epoch in range(epochs))
 
 
-def plan_steps(sampler: MultipackDistributedBatchSamplerV2, start_step: int,
+def plan_steps(sampler: StepPlanner, start_step: int,
                total_steps: int) -> list[tuple[int, np.ndarray]]:
     """``(epoch, sample indices)`` for global steps ``start_step .. total_steps - 1``.
 

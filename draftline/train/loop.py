@@ -2,11 +2,11 @@
 
 Reused from speculators: the model and its forward (TTT rollout, KL loss, per-step
 accuracies), its config classes and ``save_pretrained`` format, its data alignment
-(``shift_batch``), packing sampler and collate (see ``draftline.train.loader``), and the
-optimisation recipe of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip
-1.0).  Not reused: ``Trainer`` itself and its checkpointers -- they move the model to
-``local_rank`` (an int, so CUDA) and load checkpoints with ``map_location="cuda:0"``,
-checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
+(``shift_batch``) and collate (see ``draftline.train.loader``), and the optimisation recipe
+of its ``Trainer`` (AdamW, linear warm-up/decay schedule, grad-norm clip 1.0).  Not reused:
+its packing sampler (``draftline.train.packing`` plans steps that fill the token budget), and
+``Trainer`` itself and its checkpointers -- they move the model to ``local_rank`` (an int,
+so CUDA) and load checkpoints with ``map_location="cuda:0"``, checkpoint only per epoch, and store bfloat16 weights and optimizer state, which rules out
 CPU runs, mid-epoch resume and exact resume.  The loop below is the same few calls.
 
 CPU: speculators decorates ``Eagle3DraftModel.forward`` with ``@torch.compile``, and inductor
@@ -23,11 +23,13 @@ is loaded and the same planned batches are replayed from there (``plan_steps``),
 
 Speed (``python -m benchmarks.train`` measures it): ``precision`` (``auto``: bf16 autocast
 over float32 master weights on CUDA, float32 on CPU; see ``draftline.train.draft.Precision``)
-and the packed, pinned, prefetched loader of ``draftline.train.loader.PackedLoader``.
+the packed, pinned, prefetched loader of ``draftline.train.loader.PackedLoader``, and torch's
+fused AdamW (one kernel for every parameter's update) on CUDA and CPU: speculators' Trainer
+runs the default implementation, ``foreach`` on CUDA, which took ~9% of a Kimi-dims step.
 
 Several processes (torchrun, ``draftline.pipeline.launch``): ``world`` says which rank this is.
-``max_tokens_per_step`` stays the global budget: each of N ranks packs ``1/N`` of it with
-speculators' distributed sampler (one global packing, dealt out by rank, the same number of
+``max_tokens_per_step`` stays the global budget: each of N ranks packs ``1/N`` of it
+(``draftline.train.packing``: one global packing, dealt out by rank, the same number of
 batches on every rank), the draft is wrapped in ``DistributedDataParallel`` (gradients
 averaged, so a step sees the same tokens' gradient as one GPU with the whole budget, up to
 the per-rank loss normalisation), metrics are averaged over ranks once per step, and rank 0
@@ -48,7 +50,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
-from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_linear_schedule_with_warmup
 
@@ -66,6 +67,8 @@ from draftline.train.loader import (
     plan_steps,
     steps_in_epochs,
 )
+from draftline.train.optimizer import adamw, optimizer_implementation
+from draftline.train.packing import PACKING, StepPlanner
 from draftline.train.draft import (
     Eagle3DraftModel,
     Precision,
@@ -91,13 +94,12 @@ def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: to
                            num_speculative_tokens=ttt_steps)
 
 
-def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int,
-             world: World) -> MultipackDistributedBatchSamplerV2:
-    """speculators' packing sampler; rank r of N gets its part of each global pack."""
+def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int, world: World) -> StepPlanner:
+    """The step planner; rank r of N gets its part of each global pack."""
     return make_sampler(lengths, rank_tokens, seed, world.rank, world.world_size)
 
 
-def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
+def _total_steps(sampler: StepPlanner, steps: int | None,
                  epochs: int | None) -> int:
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps or epochs")
@@ -107,11 +109,11 @@ def _total_steps(sampler: MultipackDistributedBatchSamplerV2, steps: int | None,
     return total
 
 
-def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int,
-               total_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """speculators' Trainer recipe: AdamW over trainable params, linear warm-up and decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+def _optimizer(model: torch.nn.Module, lr: float, warmup_steps: int, total_steps: int,
+               implementation: str = "for-loop") -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """speculators' Trainer recipe: AdamW over trainable params, linear warm-up and decay;
+    ``implementation``: ``draftline.train.optimizer.optimizer_implementation``'s answer."""
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, implementation)
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
     return optimizer, scheduler
 
@@ -193,6 +195,7 @@ class Session:
     decay: float
     precision: Precision
     world: World = World()
+    optimizer_implementation: str = "for-loop"  # fused | foreach | for-loop
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """speculators' forward with targets: (summed TTT loss, per-step metric tensors)."""
@@ -247,16 +250,17 @@ def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_step
                  total_steps: int, ttt_steps: int, decay: float = 1.0,
                  precision: str = "auto", compile: bool | None = None,
                  attention: str = "auto", world: World = World(),
-                 ddp: bool | None = None) -> Session:
+                 ddp: bool | None = None, fused_optimizer: bool | None = None) -> Session:
     """The draft on ``device`` with its optimizer, schedule, precision and forward mode
     (wrapped in DDP when ``world`` has several ranks, or when ``ddp``; ``device`` is this
-    rank's)."""
+    rank's).  ``fused_optimizer=None``: fused AdamW where the device has it."""
     numerics = resolve_precision(precision, device)
     _prepare_model(model, device, numerics)
     mode = _forward_mode(model, device, compile, attention)
-    optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps)
+    implementation = optimizer_implementation(device, fused_optimizer)
+    optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps, implementation)
     return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode, ttt_steps,
-                   decay, numerics, world)
+                   decay, numerics, world, implementation)
 
 
 def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
@@ -307,7 +311,8 @@ def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path
         progress.advance_to(step, tokens, _step_detail(history[-1], lr, session.ttt_steps))
         if session.world.is_main and (step % checkpoint_every == 0 or step == stop):
             state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1],
-                     "world_size": session.world.world_size}
+                     "world_size": session.world.world_size,
+                     "optimizer": session.optimizer_implementation}
             save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
                             session.scheduler, state, keep_checkpoints)
     return history, progress
@@ -322,7 +327,7 @@ def _validate(session: Session, shards: Sequence[str | Path], split_index: str |
               max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
     """speculators' metrics averaged over the validation split ({} when it is empty)."""
     rows = load_split(split_index, VALIDATION)
-    if len(rows) < session.world.world_size:  # the distributed sampler would deal none
+    if len(rows) < session.world.world_size:  # too few to give every rank a batch
         return {}
     dataset = ShardSampleDataset(shards, rows)
     batches = epoch_batches(_sampler(dataset.lengths, max_tokens, seed, session.world), 0)
@@ -378,7 +383,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
           prefetch_batches: int | None = None, stop_after: int | None = None,
           compile: bool | None = None, attention: str = "auto", precision: str = "auto",
           save_dtype: str = "bfloat16", check_vllm: bool | None = None,
-          world: World = World()) -> dict:
+          fused_optimizer: bool | None = None, world: World = World()) -> dict:
     """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
 
     ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
@@ -388,12 +393,14 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
     ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
     (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
-    installed.  ``world``: this process's rank among torchrun's (the process group is set
+    installed.  ``fused_optimizer``: torch's fused AdamW (None: where the device has it).
+    ``world``: this process's rank among torchrun's (the process group is set
     up by the caller; ``device`` is this rank's); only rank 0 writes.  Returns
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
     ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
-    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one).
+    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one),
+    ``optimizer`` (AdamW's implementation: fused, foreach or for-loop), ``packing`` (the planner).
     """
     out = Path(out_dir)
     numerics = resolve_precision(precision, device)
@@ -407,11 +414,13 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids, out,
                      total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
                      ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
-                     max_tokens_per_step=max_tokens_per_step, precision=numerics.name)
+                     max_tokens_per_step=max_tokens_per_step, precision=numerics.name,
+                     packing=PACKING)
     session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
                            ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
                            precision=numerics.name, compile=compile, attention=attention,
-                           world=world)
+                           world=world, fused_optimizer=fused_optimizer)
+    log.info("optimizer: AdamW, %s implementation", session.optimizer_implementation)
     start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
                                     device)
     loading = _LoaderSettings(loader_threads, prefetch_batches)
@@ -419,7 +428,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     history, progress = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
                               start, stop, checkpoint_every, keep_checkpoints, loading)
     result = {**_summary(history, progress, start, stop, total, last), "precision": numerics.name,
-              "world_size": world.world_size}
+              "world_size": world.world_size, "packing": PACKING,
+              "optimizer": {"name": "AdamW", "implementation": session.optimizer_implementation}}
     if stop < total:
         return result
     result["validation"] = _validate(session, shards, split_index, tokens_per_rank, seed, loading)

@@ -1,0 +1,106 @@
+"""The draft's AdamW: the fused kernel against torch's default one, on CPU and (``-m gpu``) on
+CUDA, and which implementation a run picks.
+
+Imports torch, ``draftline.train.optimizer`` and ``benchmarks.optimizer`` only at module level
+(no speculators, no vLLM), so ``pytest -m gpu tests/test_train_optimizer.py`` runs on a machine
+with torch alone.
+
+Tolerance, float32: both kernels evaluate AdamW's same formula in float32 and differ only in
+the order and fusion of the roundings (the fused one precomputes the bias corrections and uses
+fused multiply-adds).  Per step that can move a parameter by about one or two units in the last
+place of |p| (the weight-decay multiply and the subtraction) plus ~2 eps relative of the update,
+whose size is at most about lr (|m_hat / sqrt(v_hat)| <~ 1).  So each element must agree within
+``4 * steps * eps * max(|p|, lr)`` (eps = 2**-23; errors add at most linearly over steps).
+Measured on CPU (torch 2.10, 5 steps): at most ~5 of those units, i.e. ~1/4 of the bound,
+moments bit-equal.  A real difference (Adam's coupled weight decay, another eps or betas, a
+missing bias correction) moves parameters by >= 1e-3 relative of lr per step, far outside.
+"""
+
+import pytest
+import torch
+
+from benchmarks.optimizer import DIMS, draft_parameter_shapes
+from draftline.train.optimizer import adamw, optimizer_implementation
+
+EPS32 = torch.finfo(torch.float32).eps
+STEPS = 5
+LR = 3e-3  # tiny-trained's draft learning rate
+
+
+def compare(shapes: list[tuple[int, ...]], device: str, reference: str) -> float:
+    """``STEPS`` AdamW steps, fused vs ``reference``, from the same start with the same
+    gradients (scales 1e-6..1: some entries sit where eps dominates sqrt(v)).  Returns the
+    largest difference in units of the bound's ``eps * max(|p|, lr)``, having checked the
+    bound and the moments."""
+    generator = torch.Generator(device).manual_seed(0)
+    start = [torch.randn(s, generator=generator, device=device) * 0.02 for s in shapes]
+    runs = {}
+    for implementation in ("fused", reference):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = adamw(params, LR, implementation)
+        generator.manual_seed(1)
+        for _ in range(STEPS):
+            for p in params:
+                scale = 10.0 ** (-6 * torch.rand((), generator=generator, device=device))
+                p.grad = torch.randn(p.shape, generator=generator, device=device) * scale
+            optimizer.step()
+        runs[implementation] = (params, optimizer)
+    (fused, fused_opt), (other, other_opt) = runs["fused"], runs[reference]
+    worst = 0.0
+    for a, b in zip(fused, other):
+        unit = EPS32 * torch.clamp(b.detach().abs(), min=LR)
+        worst = max(worst, float(((a - b).detach().abs() / unit).max()))
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = fused_opt.state[a][key], other_opt.state[b][key]
+            torch.testing.assert_close(x, y, rtol=4 * STEPS * EPS32, atol=0.0)
+    assert worst <= 4 * STEPS, f"fused differs by {worst:.2f} x eps * max(|p|, lr)"
+    return worst
+
+
+def test_fused_adamw_matches_the_default_on_the_drafts_parameters_on_cpu(tmp_path):
+    worst = compare(built_draft_shapes(tmp_path), "cpu", "for-loop")
+    print(f"cpu: max |fused - for-loop| = {worst:.2f} x eps * max(|p|, lr) (bound {4 * STEPS})")
+
+
+def built_draft_shapes(tmp_path) -> list[tuple[int, ...]]:
+    """Trainable parameter shapes of the real draft over a tiny Llama (hidden 256)."""
+    from draftline.tiny import targets as tiny
+    from draftline.train.draft import build_draft
+
+    verifier = tiny.build_tiny_llama(tmp_path / "verifier", num_layers=6)
+    vocab, draft_vocab = 512, 128
+    d2t = torch.zeros(draft_vocab, dtype=torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    draft = build_draft(verifier, [2, 3, 4], d2t, t2d)
+    return [tuple(p.shape) for p in draft.parameters() if p.requires_grad]
+
+
+def test_parameter_shapes_are_the_drafts(tmp_path):
+    """The GPU test's shapes at Llama/Kimi dims come from this formula: it must be the draft."""
+    assert built_draft_shapes(tmp_path) == draft_parameter_shapes(256, 512, 4, 2, 64, 128)
+
+
+def test_fused_where_torch_has_it_else_the_default():
+    assert optimizer_implementation("cpu") == "fused"
+    assert optimizer_implementation("cuda:1") == "fused"
+    assert optimizer_implementation("cpu", fused=False) == "for-loop"
+    assert optimizer_implementation("cuda", fused=False) == "foreach"
+    assert optimizer_implementation("mps") == "for-loop"
+    with pytest.raises(ValueError, match="fused AdamW runs on"):
+        optimizer_implementation("mps", fused=True)
+    with pytest.raises(ValueError, match="AdamW implementation 'fast'"):
+        adamw([torch.nn.Parameter(torch.zeros(1))], LR, "fast")
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    assert adamw(params, LR, "fused").param_groups[0]["fused"] is True
+    assert adamw(params, LR, "foreach").param_groups[0]["foreach"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", ["llama-8b", "kimi-k2.5"])
+def test_fused_adamw_matches_foreach_on_cuda(dims):
+    """Full-size draft parameters (Kimi dims: ~0.96B, ~31 GB for both optimizers)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    worst = compare(draft_parameter_shapes(*DIMS[dims]), "cuda", "foreach")
+    print(f"cuda: max |fused - foreach| = {worst:.2f} x eps * max(|p|, lr) (bound {4 * STEPS})")
