@@ -68,11 +68,85 @@ def write_flat_samples(path: str | Path, input_ids: np.ndarray, loss_mask: np.nd
 HIDDEN_STATES = "hidden_states"  # [tokens, num_slots, H]: aux slots in id order, final last
 SAMPLE_IDS = "sample_ids"  # int64 [samples]: each sample's index in the samples file
 SHARD_KEYS = (HIDDEN_STATES, INPUT_IDS, LOSS_MASK, SAMPLE_OFFSETS, SAMPLE_IDS)
+# fp8 shards only: float32 [tokens, num_slots], one scale per token and slot; the state is
+# HIDDEN_STATES (float8_e4m3fn) times its scale (``dequantize``).
+HIDDEN_SCALES = "hidden_state_scales"
 # The header metadata is one JSON string under this key (see write_shard for why).
 SHARD_METADATA = "draftline"
 FINGERPRINT = "fingerprint"  # hash of the inputs and config that made the shard
 SLOTS_NOTE = "aux layer inputs in aux_layer_ids order, then final post-norm state"
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = "float8_e4m3fn"
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+               FP8: torch.float8_e4m3fn}
+# float32, not bf16: a scale is 0.03% of a Kimi token's fp8 bytes either way (16 of 28,672 B
+# for 4 slots), and float32 holds amax / 448 exactly as computed, so the quantized bytes do
+# not depend on how a second rounding of the scale would be done on each device.
+SCALE_DTYPE = torch.float32
+FP8_MAX = 448.0  # largest finite float8_e4m3fn; the cast to it does not saturate (500 -> NaN)
+QUANTIZE_ROWS = 4096  # rows quantized at once: bounds the float32 temporaries on a GPU
+
+
+class NonFiniteHiddenStates(ValueError):
+    """A captured hidden state is NaN or infinite: it fits no fp8 scale (nor any training)."""
+
+    def __init__(self, shard: str, sample_id: int, slot: int, token: int, value: float):
+        self.shard, self.sample_id, self.slot, self.token = shard, sample_id, slot, token
+        super().__init__(f"{shard}: sample {sample_id}, slot {slot}, token {token}: hidden "
+                         f"state {value} is not finite (the target's residual stream "
+                         "overflowed or the engine produced NaN); nothing was written")
+
+
+def is_quantized(save_dtype: str) -> bool:
+    return save_dtype == FP8
+
+
+def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., H] (any float dtype) -> (float8_e4m3fn [..., H], float32 scales [...]).
+
+    scale = amax(|row|) / 448 per row (1 for an all-zero row), computed in float32; a row
+    holding NaN or inf gets a non-finite scale, which is how the shard writer finds it
+    without reading the fp8 bytes. The same formula runs in the engine's worker
+    (patches/speculators/0006); a test holds the two to the same bytes.
+    """
+    values = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(rows.shape[:-1], dtype=SCALE_DTYPE, device=rows.device)
+    flat_rows, flat_values, flat_scales = rows.reshape(-1, rows.shape[-1]), values.view(
+        -1, rows.shape[-1]), scales.view(-1)
+    for start in range(0, flat_rows.shape[0], QUANTIZE_ROWS):
+        chunk = flat_rows[start:start + QUANTIZE_ROWS].to(SCALE_DTYPE)  # [n, H]
+        amax = chunk.abs().amax(-1)  # [n]; NaN and inf propagate
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+        flat_scales[start:start + QUANTIZE_ROWS] = scale
+        flat_values[start:start + QUANTIZE_ROWS] = (chunk / scale[:, None]).clamp(
+            -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scales
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored hidden states [..., H] (and their scales [...] for fp8) in ``dtype``.
+
+    Without scales: a plain cast. With them: value * scale in float32, then ``dtype``, on
+    whatever device the tensors are on (the loader calls it on the GPU).
+    """
+    if scales is None:
+        return values.to(dtype)
+    return (values.to(SCALE_DTYPE) * scales.to(SCALE_DTYPE)[..., None]).to(dtype)
+
+
+def hidden_is_finite(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """No NaN or inf among stored hidden states (fp8: among the values and the scales; torch
+    has no isfinite for float8, and its only non-finite pattern is NaN, S.1111.111)."""
+    if scales is None:
+        return bool(torch.isfinite(values).all())
+    nan = (values.view(torch.uint8) & 0x7F) == 0x7F
+    return bool(torch.isfinite(scales).all()) and not bool(nan.any())
+
+
+def stored_bytes_per_slot(save_dtype: str, hidden_size: int) -> int:
+    """Bytes one token's slot takes in a shard: the values plus, for fp8, its scale."""
+    scale = SCALE_DTYPE.itemsize if is_quantized(save_dtype) else 0
+    return hidden_size * SAVE_DTYPES[save_dtype].itemsize + scale
 
 
 def shard_metadata(fingerprint: str, aux_layer_ids: Sequence[int], hidden_size: int) -> dict[str, str]:
@@ -85,28 +159,64 @@ def shard_metadata(fingerprint: str, aux_layer_ids: Sequence[int], hidden_size: 
     }
 
 
+def _check_finite(name: str, sample_ids: Sequence[int], offsets: list[int],
+                  hidden: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Raise NonFiniteHiddenStates for the first NaN/inf (fp8: found through the scales)."""
+    probe = scales if scales is not None else hidden  # [tokens, slots] or [tokens, slots, H]
+    bad = ~torch.isfinite(probe)
+    if not bool(bad.any()):
+        return
+    token, slot = (int(i) for i in bad.nonzero()[0][:2])
+    sample = max(i for i, start in enumerate(offsets[:-1]) if start <= token)
+    value = float(probe[token, slot].max() if probe.dim() == 2 else
+                  probe[token, slot][bad[token, slot]][0])
+    raise NonFiniteHiddenStates(name, int(sample_ids[sample]), slot, token - offsets[sample],
+                                value)
+
+
 def pack_shard(sample_ids: Sequence[int], results: dict[int, dict],
                loss_masks: dict[int, Sequence[int] | torch.Tensor],
-               save_dtype: str) -> dict[str, torch.Tensor]:
+               save_dtype: str, name: str = "shard") -> dict[str, torch.Tensor]:
     """Concatenate per-sample results (in ``sample_ids`` order) into the shard's tensors.
 
     ``results[i]`` is what speculators' hidden-state generator returns for sample i: its
-    "hidden_states" (one [T, H] tensor per slot) and "input_ids" [T].
+    "hidden_states" (one [T, H] tensor per slot) and "input_ids" [T]; a generator that
+    quantized in its worker (``hidden_states_dtype="float8_e4m3fn"``) adds
+    "hidden_states_scales" (one [T] float32 tensor per slot). fp8 results without scales are
+    quantized here. A NaN or inf anywhere raises NonFiniteHiddenStates naming ``name``
+    (the shard), the sample, the slot and the token.
     """
-    slots, ids, masks, offsets = [], [], [], [0]
+    quantized = is_quantized(save_dtype)
+    slots, scales, ids, masks, offsets = [], [], [], [], [0]
     for sample_id in sample_ids:
         result = results[sample_id]
         slots.append(torch.stack(result["hidden_states"], dim=1))  # [T, num_slots, H]
+        if "hidden_states_scales" in result:
+            if not quantized:
+                raise ValueError(f"sample {sample_id}: the generator returned fp8 scales, "
+                                 f"save_dtype is {save_dtype}")
+            scales.append(torch.stack(result["hidden_states_scales"], dim=1))  # [T, slots]
         ids.append(result["input_ids"])
         masks.append(torch.as_tensor(loss_masks[sample_id], dtype=torch.uint8))
         offsets.append(offsets[-1] + len(result["input_ids"]))
-    return {
-        HIDDEN_STATES: torch.cat(slots).to(SAVE_DTYPES[save_dtype]).contiguous(),
+    if scales and len(scales) != len(slots):
+        raise ValueError("some samples came with fp8 scales and some without")
+    hidden = torch.cat(slots)  # [tokens, num_slots, H]
+    if quantized and not scales:
+        hidden, scale = quantize_fp8(hidden)
+    else:
+        hidden, scale = hidden.to(SAVE_DTYPES[save_dtype]), torch.cat(scales) if scales else None
+    _check_finite(name, sample_ids, offsets, hidden, scale)
+    tensors = {
+        HIDDEN_STATES: hidden.contiguous(),
         INPUT_IDS: torch.cat(ids).to(torch.int64),
         LOSS_MASK: torch.cat(masks),
         SAMPLE_OFFSETS: torch.tensor(offsets, dtype=torch.int64),
         SAMPLE_IDS: torch.tensor(sample_ids, dtype=torch.int64),
     }
+    if scale is not None:
+        tensors[HIDDEN_SCALES] = scale.to(SCALE_DTYPE).contiguous()
+    return tensors
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -125,18 +235,32 @@ def read_shard_identity(path: Path) -> tuple[dict, tuple[int, ...]]:
 
 
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one shard (SHARD_KEYS), whole."""
+    """Every tensor of one shard (SHARD_KEYS, and HIDDEN_SCALES in an fp8 shard), whole and
+    as stored."""
     with safe_open(str(path), framework="pt") as handle:
-        return {key: handle.get_tensor(key) for key in SHARD_KEYS}
+        keys = [*SHARD_KEYS, *([HIDDEN_SCALES] if HIDDEN_SCALES in handle.keys() else [])]
+        return {key: handle.get_tensor(key) for key in keys}
 
 
 def read_shard_rows(shard: Path, rows: Sequence[int], keys: Sequence[str]) -> list[dict]:
-    """The given sample rows of one shard, only ``keys``: per row {key: tensor [T, ...]}."""
+    """The given sample rows of one shard, only ``keys``: per row {key: tensor [T, ...]}.
+
+    HIDDEN_STATES of an fp8 shard comes back dequantized (float32 [T, slots, H]); other
+    shards' hidden states come as stored.
+    """
     with safe_open(str(shard), framework="pt") as handle:
         offsets = handle.get_tensor(SAMPLE_OFFSETS)  # [samples + 1]
         slices = {key: handle.get_slice(key) for key in keys}
-        return [{key: s[int(offsets[r]):int(offsets[r + 1])] for key, s in slices.items()}
-                for r in rows]
+        scales = (handle.get_slice(HIDDEN_SCALES) if HIDDEN_STATES in keys
+                  and HIDDEN_SCALES in handle.keys() else None)
+        out = []
+        for r in rows:
+            span = slice(int(offsets[r]), int(offsets[r + 1]))
+            row = {key: s[span] for key, s in slices.items()}
+            if scales is not None:
+                row[HIDDEN_STATES] = dequantize(row[HIDDEN_STATES], scales[span])
+            out.append(row)
+        return out
 
 
 # --------------------------------------------------------------------------- split index

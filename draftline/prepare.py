@@ -22,12 +22,19 @@ def validate_shard(path: Path, num_slots: int, hidden_size: int) -> list[tuple[i
     mask = shard[formats.LOSS_MASK]  # [tokens]
     offsets = shard[formats.SAMPLE_OFFSETS]  # [samples + 1]
     sample_ids = shard[formats.SAMPLE_IDS]  # [samples]
+    scales = shard.get(formats.HIDDEN_SCALES)  # [tokens, num_slots] float32, fp8 shards only
     tokens = ids.shape[0]
     if hidden.shape != (tokens, num_slots, hidden_size):
         raise ValueError(f"{path}: hidden_states {tuple(hidden.shape)}")
+    if (scales is None) != (hidden.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"{path}: {hidden.dtype} hidden states "
+                         f"{'without' if scales is None else 'with'} {formats.HIDDEN_SCALES}")
+    if scales is not None and scales.shape != (tokens, num_slots):
+        raise ValueError(f"{path}: {formats.HIDDEN_SCALES} {tuple(scales.shape)}, expected "
+                         f"{(tokens, num_slots)}")
     if not (mask.shape[0] == tokens and int(offsets[-1]) == tokens):
         raise ValueError(f"{path}: offsets/mask do not cover {tokens} tokens")
-    if not bool(torch.isfinite(hidden).all()):
+    if not formats.hidden_is_finite(hidden, scales):
         raise ValueError(f"{path}: non-finite hidden states")
     lengths = (offsets[1:] - offsets[:-1]).tolist()
     if min(lengths) <= 0:

@@ -50,6 +50,9 @@ TARGET_DIGEST_CACHE = ".target-sha256.json"
 def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> target.TargetShape:
     """Every check that can fail before a (possibly 25-minute) model load. ``replicas``: the
     engines this process may start, whose devices are checked (None: it starts none)."""
+    if cfg.extract.save_dtype not in formats.SAVE_DTYPES:
+        raise ValueError(f"extract.save_dtype={cfg.extract.save_dtype!r}: expected one of "
+                         f"{sorted(formats.SAVE_DTYPES)}")
     target.check(cfg.model.path, bool(cfg.model.trust_remote_code))
     shape = target.read_target_shape(cfg.model.path)
     target.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
@@ -104,6 +107,9 @@ def make_generator(cfg: DictConfig):
 
     return VllmHiddenStatesGenerator(
         str(cfg.model.path), layer_ids=list(cfg.model.aux_layer_ids),
+        # Cast (fp8: quantized) in the engine's worker, on its device, so the worker-to-driver
+        # transfer already moves the shard's bytes (patches/speculators/0006).
+        hidden_states_dtype=str(cfg.extract.save_dtype),
         **engine.generator_kwargs(options,
                                   max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens)))
 
@@ -273,6 +279,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         "target_architecture": inputs.shape.architecture,
         "target": str(cfg.model.path),
         "bytes_per_token": {"on_disk": total_bytes / max(sum(lengths), 1), "raw_minimum": per_token},
+        "save_dtype": str(cfg.extract.save_dtype),
+        "scales": (f"{formats.HIDDEN_SCALES}: {str(formats.SCALE_DTYPE).removeprefix('torch.')} "
+                   "[tokens, num_slots], state = value x scale, scale = amax(|row|) / "
+                   f"{formats.FP8_MAX:g}" if formats.is_quantized(str(cfg.extract.save_dtype))
+                   else None),
         "tokens_per_second": tokens_per_second,
         "inputs": {"regenerate_manifest_sha256": artifacts.sha256_file(inputs.regenerate_dir / artifacts.MANIFEST)},
         "skipped": [],

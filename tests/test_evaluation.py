@@ -207,6 +207,27 @@ def test_a_paired_difference_with_a_known_gap_excludes_zero():
         stats.paired_difference(a, stats.Counts.from_lengths(good[:-1], 3), "tau", 10, 0.95, 0)
 
 
+def test_the_mean_paired_difference_over_runs_pairs_the_same_units_in_every_run():
+    """One run: paired_difference itself. Several: the mean of the runs' differences, its CI
+    from one set of unit picks shared by every run (a constant gap has a zero-width CI)."""
+    good = random_lengths(30, 3, seed=2, skill=0.7)
+    a = stats.Counts.from_lengths(good, 3)
+    b = stats.Counts.from_lengths([(x - 1).clamp(min=0) for x in good], 3)
+    single = stats.paired_difference(a, b, "tau", 300, 0.95, seed=4)
+    one = stats.mean_paired_difference([(a, b)], "tau", 300, 0.95, seed=4)
+    assert one["difference"] == pytest.approx(single["difference"])
+    assert one["ci"] == pytest.approx(single["ci"]) and one["ci_width"] == pytest.approx(
+        single["ci"][1] - single["ci"][0])
+    two = stats.mean_paired_difference([(a, b), (b, b)], "tau", 300, 0.95, seed=4)
+    assert two["difference"] == pytest.approx(single["difference"] / 2)
+    assert two["per_run"] == pytest.approx([single["difference"], 0.0])
+    assert two["ci"] == pytest.approx([x / 2 for x in single["ci"]])  # same picks in both runs
+    assert (two["runs"], two["units"]) == (2, 30)
+    with pytest.raises(ValueError, match="same units"):
+        stats.mean_paired_difference([(a, b), (a, stats.Counts.from_lengths(good[:-1], 3))],
+                                     "tau", 10, 0.95, 0)
+
+
 def test_paired_ci_bounds_equal_a_plain_python_reference():
     good = random_lengths(25, 3, seed=6, skill=0.6)
     a = stats.Counts.from_lengths(good, 3)

@@ -165,6 +165,68 @@ def test_overlong_prompt_is_refused_not_truncated(llama):
         generator.generate([[5] * 512])
 
 
+@pytest.fixture(scope="module")
+def llama_fp8(llama):
+    """A second engine on the llama target whose worker quantizes to fp8 (patches/0006)."""
+    model_dir, _ = llama
+    generator = _make_generator(model_dir, LLAMA_AUX_IDS, hidden_states_dtype="float8_e4m3fn")
+    yield model_dir, generator
+    generator.shutdown()
+
+
+def test_fp8_capture_is_the_quantized_float32_capture(llama, llama_fp8, capsys):
+    """The worker hands over fp8 values and float32 scales (so the RPC carries one byte per
+    value), byte for byte what draftline.formats quantizes from the float32 capture, and
+    they dequantize to HF's hidden states within e4m3's rounding (3 mantissa bits)."""
+    from draftline import formats
+
+    model_dir, exact = llama
+    _, fp8 = llama_fp8
+    prompts = _prompts(512)
+    for want, got in zip(exact.generate(prompts), fp8.generate(prompts), strict=True):
+        assert all(h.dtype == torch.float8_e4m3fn for h in got["hidden_states"])
+        assert all(s.dtype == torch.float32 and s.shape == (len(got["input_ids"]),)
+                   for s in got["hidden_states_scales"])
+        values, scales = formats.quantize_fp8(torch.stack(want["hidden_states"], dim=1))
+        assert torch.equal(torch.stack(got["hidden_states"], dim=1).view(torch.uint8),
+                           values.view(torch.uint8))
+        assert torch.equal(torch.stack(got["hidden_states_scales"], dim=1), scales)
+    results = fp8.generate(prompts)
+    dequantized = [{"hidden_states": [formats.dequantize(h, s) for h, s in
+                                      zip(r["hidden_states"], r["hidden_states_scales"])]}
+                   for r in results]
+    worst = _slot_differences(model_dir, LLAMA_AUX_IDS, NUM_LLAMA_LAYERS, prompts, dequantized)
+    _report(capsys, "llama, fp8 in the worker", LLAMA_AUX_IDS, worst)
+    reference = targets.hf_hidden_states(model_dir, prompts[0])
+    largest = max(reference[i].abs().max().item() for i in [*LLAMA_AUX_IDS, NUM_LLAMA_LAYERS])
+    assert max(worst) <= largest / 16, (worst, largest)  # half an e4m3 step at the row's amax
+
+
+def test_worker_and_formats_quantize_to_the_same_bytes():
+    """The worker's quantizer (patches/0006) and draftline.formats' are one formula: the same
+    bytes on rows of every kind, across the row-chunk boundary, with non-finite rows marked
+    by a non-finite scale."""
+    from speculators.data_generation import custom_worker
+
+    from draftline import formats
+
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(formats.QUANTIZE_ROWS + 5, 3, 96, generator=generator)
+    rows[0] = 0.0  # an all-zero row: scale 1
+    rows[1] *= 1e4
+    rows[2] *= 1e-6
+    rows[3, 0, 7], rows[3, 1, 0], rows[3, 2, 5] = float("nan"), float("inf"), -float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = custom_worker._quantize_fp8(rows.to(dtype)), formats.quantize_fp8(rows.to(dtype))
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))  # NaN too
+        assert torch.equal(got[1][0], torch.ones(3))
+        assert not torch.isfinite(got[1][3]).any() and torch.isfinite(got[1][4:]).all()
+        finite = formats.dequantize(got[0][4:], got[1][4:])
+        assert ((finite - rows[4:].to(dtype).float()).abs()
+                <= rows[4:].abs().amax(-1, keepdim=True) / 16).all()
+
+
 def test_deepseek_v3_slots_match_hf(deepseek, capsys):
     model_dir, generator = deepseek
     prompts = _prompts(512)

@@ -112,6 +112,7 @@ def test_preflight_passes_the_tiny_target(model_dir):
     (["model.hidden_size=128"], [10], "says 6 x 256"),
     (["extract.max_model_len=64"], [10, 64], "longest sample has 64 tokens; extract.max_model_len=64"),
     (["model.tensor_parallel_size=100000"], [10], "TP 100000 > CPU cores"),
+    (["extract.save_dtype=float8"], [10], "extract.save_dtype='float8': expected one of"),
 ])
 def test_preflight_refuses_before_any_model_load(model_dir, overrides, lengths, message):
     """preflight reads config.json only; each refusal names the mismatch."""
@@ -126,10 +127,18 @@ def test_a_sample_one_token_shorter_than_max_model_len_fits(model_dir):
 def test_bytes_per_token_and_the_disk_check(tmp_path):
     assert shards.bytes_per_token(4, 256, "bfloat16") == 4 * 256 * 2 + 9
     assert shards.bytes_per_token(4, 7168, "float32") == 4 * 7168 * 4 + 9
+    assert shards.bytes_per_token(4, 7168, "float8_e4m3fn") == 4 * (7168 + 4) + 9  # + scales
     assert shards.check_disk(tmp_path / "out", 1000, 100, 1.5) == 150_000
     assert (tmp_path / "out").is_dir()
     with pytest.raises(RuntimeError, match=r"GiB free, extraction needs about .* \(1000000000000000 tokens x 2057 B x 1.1\)"):
         shards.check_disk(tmp_path / "out", 10**15, 2057, 1.1)
+
+
+@pytest.mark.parametrize("hidden, bar", [(4096, 0.51), (7168, 0.51), (128, 0.53)])
+def test_fp8_halves_the_bytes_per_token_scales_ids_and_masks_included(hidden, bar):
+    """Issue 24's bar at Llama-8B, Kimi-K2.5 and the embedded run's widths (4 slots)."""
+    fp8, bf16 = (shards.bytes_per_token(4, hidden, d) for d in ("float8_e4m3fn", "bfloat16"))
+    assert 0.5 < fp8 / bf16 <= bar
 
 
 def test_the_disk_check_names_free_and_needed_space_and_makes_nested_dirs(tmp_path, monkeypatch):
@@ -187,6 +196,48 @@ def test_packed_shards_keep_plan_order_offsets_and_dtype(tmp_path):
     assert tensors[formats.SAMPLE_IDS].tolist() == [7, 2]
 
 
+def _float_results(lengths: dict[int, int], slots: int = 2, width: int = 8) -> dict[int, dict]:
+    generator = torch.Generator().manual_seed(5)
+    return {i: {"hidden_states": [torch.randn(n, width, generator=generator) * (s + 1)
+                                  for s in range(slots)], "input_ids": torch.arange(n)}
+            for i, n in lengths.items()}
+
+
+def test_an_fp8_shard_holds_e4m3_values_and_a_float32_scale_per_token_and_slot(tmp_path):
+    results = _float_results({4: 3, 9: 2})
+    tensors = formats.pack_shard((4, 9), results, {4: [1, 1, 1], 9: [0, 1]}, "float8_e4m3fn")
+    hidden, scales = tensors[formats.HIDDEN_STATES], tensors[formats.HIDDEN_SCALES]
+    assert hidden.dtype == torch.float8_e4m3fn and hidden.shape == (5, 2, 8)
+    assert scales.dtype == torch.float32 and scales.shape == (5, 2)
+    exact = torch.cat([torch.stack(results[i]["hidden_states"], 1) for i in (4, 9)])  # [5, 2, 8]
+    assert torch.equal(scales, exact.abs().amax(-1) / 448)
+    assert ((formats.dequantize(hidden, scales) - exact).abs() <= scales[..., None] * 16).all()
+    # A generator that quantized in its worker hands over values and scales: kept as they are.
+    given = {i: {**r, "hidden_states": [h for h in torch.stack(r["hidden_states"], 1)
+                                        .to(torch.float8_e4m3fn).unbind(1)],
+                 "hidden_states_scales": [torch.full((len(r["input_ids"]),), 0.5)] * 2}
+             for i, r in results.items()}
+    kept = formats.pack_shard((4, 9), given, {4: [1, 1, 1], 9: [0, 1]}, "float8_e4m3fn")
+    assert kept[formats.HIDDEN_SCALES].eq(0.5).all()
+    formats.write_shard(tmp_path / "s.safetensors", tensors, {formats.FINGERPRINT: "f"})
+    rows = formats.read_shard_rows(tmp_path / "s.safetensors", [1], [formats.HIDDEN_STATES])
+    assert torch.equal(rows[0][formats.HIDDEN_STATES], formats.dequantize(hidden, scales)[3:])
+    with pytest.raises(ValueError, match="fp8 scales, save_dtype is bfloat16"):
+        formats.pack_shard((4, 9), given, {4: [1, 1, 1], 9: [0, 1]}, "bfloat16")
+
+
+@pytest.mark.parametrize("save_dtype", ["float8_e4m3fn", "bfloat16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_state_is_refused_naming_shard_sample_slot_and_token(save_dtype, value):
+    results = _float_results({4: 3, 9: 5})
+    results[9]["hidden_states"][1][2, 6] = value  # sample 9, slot 1, token 2
+    with pytest.raises(formats.NonFiniteHiddenStates, match=re.escape(
+            "shard-00003.safetensors: sample 9, slot 1, token 2: hidden state")) as failure:
+        formats.pack_shard((4, 9), results, {4: [1] * 3, 9: [1] * 5}, save_dtype,
+                           name="shard-00003.safetensors")
+    assert (failure.value.sample_id, failure.value.slot, failure.value.token) == (9, 1, 2)
+
+
 def test_packed_input_ids_are_int64_whatever_the_engine_returns():
     plan = shards.ShardPlan(0, (1,), 2)
     results = {1: {"hidden_states": [torch.zeros(2, 4)] * 2, "input_ids": torch.tensor([4, 5], dtype=torch.int32)}}
@@ -201,6 +252,7 @@ def test_the_file_keys_are_the_ones_runs_on_disk_hold():
         "input_ids", "loss_mask", "sample_offsets")
     assert formats.SHARD_KEYS == (
         "hidden_states", "input_ids", "loss_mask", "sample_offsets", "sample_ids")
+    assert formats.HIDDEN_SCALES == "hidden_state_scales"
     assert (formats.SHARD_METADATA, formats.FINGERPRINT) == ("draftline", "fingerprint")
     assert formats.SPLITS == ("train", "validation")
     assert (formats.D2T, formats.T2D, formats.TOKEN_FREQ) == ("d2t", "t2d", "token_freq")
@@ -220,7 +272,8 @@ def test_shard_metadata_bytes_do_not_depend_on_key_order(tmp_path):
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("change", ["extract.save_dtype=float32", "model.aux_layer_ids=[1,2,3]",
+@pytest.mark.parametrize("change", ["extract.save_dtype=float32", "extract.save_dtype=float8_e4m3fn",
+                                    "model.aux_layer_ids=[1,2,3]",
                                     "extract.max_model_len=2048", "model.dtype=bfloat16",
                                     "extract.max_num_batched_tokens=1024"])
 def test_an_extract_config_change_invalidates_every_shard(model_dir, tmp_path, change):

@@ -68,6 +68,37 @@ def test_validation_reads_each_row_length_and_masked_count(tmp_path):
         validate_shard(write_shard(tmp_path / "empty.safetensors", empty_sample=True), 2, 4)
 
 
+def test_fp8_shards_are_validated_through_their_values_and_scales(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftline.prepare import validate_shard
+
+    values, scales = formats.quantize_fp8(torch.randn(5, 2, 4))
+
+    def save(path, values, scales):
+        tensors = {formats.HIDDEN_STATES: values, formats.INPUT_IDS: torch.arange(5),
+                   formats.LOSS_MASK: torch.ones(5, dtype=torch.uint8),
+                   formats.SAMPLE_OFFSETS: torch.tensor([0, 3, 5]),
+                   formats.SAMPLE_IDS: torch.arange(2)}
+        save_file({**tensors, **({} if scales is None else {formats.HIDDEN_SCALES: scales})},
+                  str(path))
+        return path
+
+    assert validate_shard(save(tmp_path / "good.safetensors", values, scales), 2, 4) == [
+        (0, 0, 3, 3), (1, 1, 2, 2)]
+    nan_value = values.clone()
+    nan_value.view(torch.uint8)[3, 1, 2] = 0x7F  # e4m3fn's NaN
+    nan_scale = scales.clone()
+    nan_scale[4, 0] = float("inf")
+    for name, broken in (("value", (nan_value, scales)), ("scale", (values, nan_scale))):
+        with pytest.raises(ValueError, match="non-finite hidden states"):
+            validate_shard(save(tmp_path / f"{name}.safetensors", *broken), 2, 4)
+    with pytest.raises(ValueError, match="without hidden_state_scales"):
+        validate_shard(save(tmp_path / "bare.safetensors", values, None), 2, 4)
+    with pytest.raises(ValueError, match=r"hidden_state_scales \(5, 1\), expected \(5, 2\)"):
+        validate_shard(save(tmp_path / "short.safetensors", values, scales[:, :1].contiguous()), 2, 4)
+
+
 def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
     from draftline.prepare import validate_shard
 

@@ -243,6 +243,69 @@ def test_packed_loader_on_cuda_matches_reference(data):
         _assert_same_batch({k: v.cpu() for k, v in fast.items()}, slow)
 
 
+@pytest.fixture(scope="module")
+def fp8_shards(data, tmp_path_factory):
+    """The fixture's shards with fp8 hidden states and their scales, as extract writes them."""
+    root = tmp_path_factory.mktemp("fp8")
+    paths = []
+    for path in data["shards"]:
+        tensors = formats.read_shard(path)
+        values, scales = formats.quantize_fp8(tensors[formats.HIDDEN_STATES])
+        tensors.update({formats.HIDDEN_STATES: values, formats.HIDDEN_SCALES: scales})
+        paths.append(root / path.name)
+        save_file(tensors, str(paths[-1]))
+    return paths
+
+
+def test_fp8_items_are_the_dequantized_stored_states(fp8_shards, data):
+    dataset = ShardSampleDataset(fp8_shards, load_split(data["full"], formats.TRAIN))
+    assert dataset.storage_dtype == torch.float8_e4m3fn
+    item, start, length = dataset[4], 470, 70
+    stored = formats.read_shard(fp8_shards[0])
+    slots = formats.dequantize(stored[formats.HIDDEN_STATES][start:start + length],
+                               stored[formats.HIDDEN_SCALES][start:start + length])  # [T, 4, H]
+    assert torch.equal(item["hidden_states"], slots[:-1, :3].reshape(length - 1, 3 * HIDDEN))
+    assert torch.equal(item["verifier_last_hidden_states"], slots[1:, 3])
+    exact = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))[4]
+    error = (item["hidden_states"] - exact["hidden_states"]).abs().max()
+    assert 0 < error <= exact["hidden_states"].abs().max() / 16  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("max_tokens", [MAX_TOKENS, 96])
+def test_packed_fp8_loader_matches_the_reference(fp8_shards, data, threads, max_tokens):
+    """fp8 bytes and scales packed, dequantized where the batch is cast: the reference's
+    batches exactly, scale keys gone."""
+    dataset = ShardSampleDataset(fp8_shards, load_split(data["full"], formats.TRAIN))
+    batches = _planned(dataset, max_tokens)
+    packed = PackedLoader(dataset, batches, max_tokens, hidden_dtype=torch.float32,
+                          threads=threads, prefetch=1)
+    assert packed._new_slots()[0].buffers["hidden_states"].dtype == torch.float8_e4m3fn
+    for fast, slow in zip(packed, make_loader(dataset, batches, max_tokens), strict=True):
+        _assert_same_batch(fast, slow)
+
+
+def test_a_split_of_fp8_and_bf16_shards_is_refused(fp8_shards, data):
+    dataset = ShardSampleDataset([fp8_shards[0], data["shards"][1]],
+                                 load_split(data["full"], formats.TRAIN))
+    with pytest.raises(ValueError, match="mixes fp8 shards"):
+        dataset.storage_dtype
+
+
+@pytest.mark.gpu
+def test_packed_fp8_loader_on_cuda_matches_reference(fp8_shards, data):
+    """fp8 crosses to the GPU as one byte per value and is dequantized there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dataset = ShardSampleDataset(fp8_shards, load_split(data["full"], formats.TRAIN))
+    batches = _planned(dataset, MAX_TOKENS)
+    packed = PackedLoader(dataset, batches, MAX_TOKENS, "cuda", torch.float32, threads=2,
+                          prefetch=1)
+    for fast, slow in zip(list(packed), make_loader(dataset, batches, MAX_TOKENS), strict=True):
+        assert fast["hidden_states"].is_cuda
+        _assert_same_batch({k: v.cpu() for k, v in fast.items()}, slow)
+
+
 def test_split_index_must_match_shards(data, tmp_path):
     bad = tmp_path / "bad.safetensors"
     formats.write_split_index(bad, torch.tensor([[0, 1, 999]]), torch.zeros(0, 3).long())

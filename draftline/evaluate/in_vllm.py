@@ -100,6 +100,9 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
             "offline_unconditional": [float(off_counts.at_least[:, j].sum()) /
                                       max(int(off_counts.at_least[:, 0].sum()), 1) for j in range(1, k + 1)],
             "paired_difference": paired, "paired_by_position": positions,
+            # stats.Counts per reply ([replies][k + 1]: steps, steps with >= j accepted):
+            # what a comparison of two drafts on the same replies pairs
+            "counts_per_reply": vllm_counts.at_least.tolist(),
             "vllm_tau_inside_offline_ci": inside, "vllm_acceptance_inside_offline_ci": inside_by_position,
             "agrees": inside and all(inside_by_position) and paired["agrees"]}
 

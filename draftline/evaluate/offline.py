@@ -259,8 +259,10 @@ def evaluate_offline(proposers: Sequence, samples: Sequence[Sample], k: int, *, 
     results = {}
     for proposer in proposers:
         sims = simulate(proposer, samples, k)
-        result = bootstrap(Counts.from_lengths([s.accepted[s.steps] for s in sims], k),
-                           resamples, level, seed)
+        counts = Counts.from_lengths([s.accepted[s.steps] for s in sims], k)
+        result = bootstrap(counts, resamples, level, seed)
+        # [samples][k + 1]: what a comparison of two drafts on the same samples pairs
+        result["counts_per_sample"] = counts.at_least.tolist()
         per_start = bootstrap(Counts.from_lengths([s.accepted for s in sims], k), resamples, level, seed)
         result["per_start"] = {key: per_start[key] for key in ("tau", "tau_ci", "acceptance", "steps")}
         result["on_policy"] = on_policy_summary(sims, k)

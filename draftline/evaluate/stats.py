@@ -81,3 +81,26 @@ def paired_difference(a: Counts, b: Counts, which: str, resamples: int, level: f
     point = float(_statistic(a.at_least.sum(0).double(), which)
                   - _statistic(b.at_least.sum(0).double(), which))
     return {"statistic": which, "difference": point, "ci": [lo, hi], "agrees": lo <= 0 <= hi}
+
+
+def mean_paired_difference(pairs: list[tuple[Counts, Counts]], which: str, resamples: int,
+                           level: float, seed: int) -> dict:
+    """The mean over runs (e.g. training seeds) of a - b, each pair (a, b) on the same units,
+    with a percentile-bootstrap CI that resamples the units with the same picks in every
+    pair (the units, such as held-out replies, are shared by all runs). It covers the units'
+    sampling noise for these runs; the spread between runs is in ``per_run``."""
+    if not pairs or any(a.at_least.shape != b.at_least.shape for a, b in pairs):
+        raise ValueError("paired counts need the same units")
+    n = pairs[0][0].at_least.shape[0]
+    if any(a.at_least.shape[0] != n for a, _ in pairs):
+        raise ValueError("every run must be measured on the same units")
+    picks = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+    diffs = torch.stack([_statistic(a.at_least[picks].sum(1).double(), which)
+                         - _statistic(b.at_least[picks].sum(1).double(), which)
+                         for a, b in pairs]).mean(0)  # [B]
+    lo, hi = torch.quantile(diffs, torch.tensor([(1 - level) / 2, (1 + level) / 2],
+                                                dtype=torch.double)).tolist()
+    per_run = [float(_statistic(a.at_least.sum(0).double(), which)
+                     - _statistic(b.at_least.sum(0).double(), which)) for a, b in pairs]
+    return {"statistic": which, "difference": sum(per_run) / len(per_run), "ci": [lo, hi],
+            "ci_width": hi - lo, "per_run": per_run, "runs": len(pairs), "units": n}

@@ -64,7 +64,11 @@ def plan_batches(sample_ids: tuple[int, ...], lengths: list[int], token_budget: 
 
 
 def bytes_per_token(num_slots: int, hidden_size: int, save_dtype: str) -> int:
-    return num_slots * hidden_size * formats.SAVE_DTYPES[save_dtype].itemsize + ID_AND_MASK_BYTES
+    """A token's bytes in a shard: every slot's values (and its fp8 scale), its id and mask.
+
+    Per-sample offsets and ids, and the header, come on top (a few bytes per sample).
+    """
+    return num_slots * formats.stored_bytes_per_slot(save_dtype, hidden_size) + ID_AND_MASK_BYTES
 
 
 def check_disk(out_dir: Path, remaining_tokens: int, per_token: int, headroom: float) -> int:
@@ -108,8 +112,8 @@ def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
             results.update(zip(batch, outputs))
             progress.advance(sum(lengths[i] for i in batch))
         masks = {i: loss_masks[i] for i in plan.sample_ids}
-        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype),
-                            metadata)
+        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype,
+                                                     name=str(path)), metadata)
         # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.
         write_json(timing_path(path), {"seconds": time.monotonic() - start,
                                        "finished_unix": time.time()})

@@ -21,6 +21,10 @@ Two ways to load the same batches:
   [1, max_tokens, ...] buffer in the shards' own dtype (one CPU copy per byte, bf16 stays
   bf16); the next batch is copied to the GPU on a side stream while the current step runs
   (non_blocking, one batch ahead), and hidden states are cast to the compute dtype there.
+
+fp8 shards (``formats.HIDDEN_SCALES`` beside float8_e4m3fn hidden states) travel as stored:
+one byte per value plus a float32 scale per token and slot, packed into the batch's
+``SCALE_KEYS`` buffers and dequantized where the batch is cast (on the GPU in training).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from draftline.train.packing import StepPlanner
 
 __all__ = [
     "HIDDEN_KEYS",
+    "SCALE_KEYS",
+    "dequantize_batch",
     "MappedShard",
     "ShardSampleDataset",
     "PackedLoader",
@@ -61,12 +67,17 @@ __all__ = [
 # speculators' batch keys (shift_batch, collate, the draft's forward); the shard's own keys
 # are draftline.formats'.
 HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")
+# fp8 shards only, float32 [1, max_tokens, num_aux] and [1, max_tokens]: the packed scales of
+# HIDDEN_KEYS, consumed (and dropped from the batch) when it is dequantized.
+SCALE_KEYS = ("hidden_states_scales", "verifier_last_hidden_states_scales")
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")  # int64 [1, max_tokens] each
 SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
+# Copied as raw bits through numpy, which has neither type.
+RAW_DTYPES = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 # 4 packing threads measured on an H200 host (16 cores): 2.8-4.5 GB/s of hidden states from
 # a cold disk (its plain sequential read: 1.8-2.1 GB/s), 22 GB/s from the page cache, against
 # ~2 GB/s consumed at 65k tokens/s; more would only add pinned buffers.
@@ -133,23 +144,23 @@ class MappedShard:
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as a numpy array (bf16 as its raw 16-bit pattern).
+    """The tensor's memory as a numpy array (bf16 and fp8 as their raw bit patterns).
 
     Why numpy on the packing threads: numpy copies single-threaded with the GIL released,
     while a torch op on a second Python thread starts its own OpenMP team, which on a busy
     CPU spins against the compute threads (measured: 150 -> 235 ms per CPU step).
     """
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy()
+    if tensor.dtype in RAW_DTYPES:
+        return tensor.view(RAW_DTYPES[tensor.dtype]).numpy()
     return tensor.numpy()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src through numpy; bf16 <-> other floats (numpy has no bf16) via torch.
+    """dst[...] = src through numpy; bf16 or fp8 <-> another dtype (numpy has neither) via torch.
 
     The torch fallback only serves splits that mix bf16 and float32 shards.
     """
-    if (dst.dtype == torch.bfloat16) != (src.dtype == torch.bfloat16):
+    if dst.dtype != src.dtype and (dst.dtype in RAW_DTYPES or src.dtype in RAW_DTYPES):
         dst.copy_(src)
     else:
         numpy_view(dst)[...] = numpy_view(src)
@@ -161,12 +172,15 @@ class _ShardViews:
     input_ids: torch.Tensor  # [tokens] int64
     loss_mask: torch.Tensor  # [tokens] uint8
     file: MappedShard
+    scales: torch.Tensor | None = None  # [tokens, slots] float32, fp8 shards only
 
 
 def _open_views(path: str) -> _ShardViews:
     shard = MappedShard(path)
+    scales = (shard.tensor(formats.HIDDEN_SCALES) if formats.HIDDEN_SCALES in shard.entries
+              else None)
     return _ShardViews(shard.tensor(formats.HIDDEN_STATES), shard.tensor(formats.INPUT_IDS),
-                       shard.tensor(formats.LOSS_MASK), shard)
+                       shard.tensor(formats.LOSS_MASK), shard, scales)
 
 
 class ShardSampleDataset(Dataset):
@@ -205,8 +219,12 @@ class ShardSampleDataset(Dataset):
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """One dtype for every shard this split reads (as ``torch.cat`` would promote)."""
+        """One dtype for every shard this split reads (as ``torch.cat`` would promote); fp8
+        shards only with fp8 shards (their scales have no place in a bf16 batch)."""
         dtypes = {self._shard(shard).hidden.dtype for shard in self._offsets}
+        if torch.float8_e4m3fn in dtypes and len(dtypes) > 1:
+            raise ValueError(f"the split mixes fp8 shards with {sorted(map(str, dtypes))}: "
+                             "extract every shard with one extract.save_dtype")
         result = dtypes.pop()
         for dtype in dtypes:
             result = torch.promote_types(result, dtype)
@@ -236,6 +254,13 @@ class ShardSampleDataset(Dataset):
         if len(shape) != 3 or shape[1] != self.num_aux_slots + 1:
             raise ValueError(f"{self.shard_paths[shard]}: hidden_states {shape}, expected "
                              f"[tokens, {self.num_aux_slots + 1} slots, hidden]")
+        views = self._shard(shard)
+        if (views.scales is None) != (views.hidden.dtype != torch.float8_e4m3fn):
+            raise ValueError(f"{self.shard_paths[shard]}: fp8 hidden states come with "
+                             f"{formats.HIDDEN_SCALES}, other dtypes without")
+        if views.scales is not None and list(views.scales.shape) != shape[:2]:
+            raise ValueError(f"{self.shard_paths[shard]}: {formats.HIDDEN_SCALES} "
+                             f"{list(views.scales.shape)}, expected {shape[:2]}")
 
     def _check_rows(self) -> None:
         for shard, row, length in self.rows:
@@ -253,7 +278,9 @@ class ShardSampleDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         views, start, length = self._locate(index)
-        slots = views.hidden[start:start + length].to(self.hidden_dtype)  # [T, aux+1, H]
+        span = slice(start, start + length)
+        slots = formats.dequantize(views.hidden[span], None if views.scales is None
+                                   else views.scales[span], self.hidden_dtype)  # [T, aux+1, H]
         sample = {
             # [T, aux, H] -> [T, aux*H]: the same layout as torch.cat(aux slots, dim=-1).
             "hidden_states": slots[:, :-1, :].reshape(length, -1),
@@ -284,6 +311,9 @@ class ShardSampleDataset(Dataset):
         hidden = batch["hidden_states"][0, rows].view(count, aux, -1)  # [n, aux, H]
         _copy(hidden, views.hidden[start:start + count, :aux])
         _copy(batch["verifier_last_hidden_states"][0, rows], views.hidden[ahead, aux])
+        if views.scales is not None:
+            _copy(batch[SCALE_KEYS[0]][0, rows], views.scales[start:start + count, :aux])
+            _copy(batch[SCALE_KEYS[1]][0, rows], views.scales[ahead, aux])
         _copy(batch["input_ids"][0, rows], views.input_ids[ahead])
         _copy(batch["loss_mask"][0, rows], views.loss_mask[ahead])
         numpy_view(batch["position_ids"][0, rows])[...] = np.arange(1, count + 1)
@@ -349,6 +379,19 @@ def make_loader(dataset: ShardSampleDataset, batches: Sequence[np.ndarray], max_
 # --------------------------------------------------------------------------- packed path
 
 
+def dequantize_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A packed fp8 batch (HIDDEN_KEYS float8_e4m3fn plus SCALE_KEYS) with its hidden states
+    in ``dtype`` and the scales dropped: what the draft's forward takes. Runs where the batch
+    is (the GPU: one byte per value crossed the host-to-device copy)."""
+    out = {k: v for k, v in batch.items() if k not in SCALE_KEYS}
+    hidden, scales = batch["hidden_states"], batch[SCALE_KEYS[0]]  # [1, T, aux*H], [1, T, aux]
+    per_slot = hidden.view(*hidden.shape[:2], scales.shape[-1], -1)  # [1, T, aux, H]
+    out["hidden_states"] = formats.dequantize(per_slot, scales, dtype).view(hidden.shape)
+    out["verifier_last_hidden_states"] = formats.dequantize(
+        batch["verifier_last_hidden_states"], batch[SCALE_KEYS[1]], dtype)  # [1, T, H]
+    return out
+
+
 def fit_lengths(lengths: Sequence[int], max_tokens: int) -> list[int]:
     """speculators' collate rule for ``lengths``: keep them while they fit, cut the last."""
     fitted, used = [], 0
@@ -398,10 +441,13 @@ class _Slot:
 
 def _slot_layout(max_tokens: int, aux_width: int, hidden: int,
                  dtype: torch.dtype) -> list[tuple[str, torch.dtype, int]]:
-    """(name, dtype, elements) of one slot's buffers."""
+    """(name, dtype, elements) of one slot's buffers (fp8: their scales too)."""
+    scales = ([(SCALE_KEYS[0], formats.SCALE_DTYPE, max_tokens * (aux_width // hidden)),
+               (SCALE_KEYS[1], formats.SCALE_DTYPE, max_tokens)]
+              if dtype == torch.float8_e4m3fn else [])
     return [("hidden_states", dtype, max_tokens * aux_width),
             ("verifier_last_hidden_states", dtype, max_tokens * hidden),
-            *[(key, torch.int64, max_tokens) for key in TOKEN_KEYS]]
+            *scales, *[(key, torch.int64, max_tokens) for key in TOKEN_KEYS]]
 
 
 def _allocate_slots(count: int, max_tokens: int, aux_width: int, hidden: int,
@@ -419,8 +465,8 @@ def _allocate_slots(count: int, max_tokens: int, aux_width: int, hidden: int,
         buffers = {}
         for (name, elem_dtype, numel), size in zip(layout, sizes):
             view = flat[offset:offset + numel * elem_dtype.itemsize].view(elem_dtype)
-            buffers[name] = view.view(1, max_tokens, -1) if name in HIDDEN_KEYS else view.view(
-                1, max_tokens)
+            wide = name in HIDDEN_KEYS or name == SCALE_KEYS[0]
+            buffers[name] = view.view(1, max_tokens, -1) if wide else view.view(1, max_tokens)
             offset += size
         slots.append(_Slot(buffers))
     return slots
@@ -431,7 +477,7 @@ class PackedLoader:
 
     Yields speculators' batch dicts ([1, max_tokens, ...] plus ``lengths``) in plan order,
     identical to ``make_loader``'s except that hidden states arrive in ``hidden_dtype``
-    (None: the stored dtype), cast on the device.  ``threads`` background threads
+    (None: the stored dtype; float32 for fp8 shards), cast (fp8: dequantized) on the device.  ``threads`` background threads
     (None: ``default_loader_threads``) pack up to ``prefetch`` batches ahead into a ring of
     ``prefetch + 2`` reusable buffers (pinned on CUDA); on CUDA the next batch is already
     being copied on a side stream while the current one is in use.
@@ -519,6 +565,8 @@ class PackedLoader:
             executor.shutdown(wait=True, cancel_futures=True)
 
     def _cast(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if SCALE_KEYS[0] in batch:
+            return dequantize_batch(batch, self.hidden_dtype or torch.float32)
         if self.hidden_dtype is None:
             return batch
         return {k: v.to(self.hidden_dtype) if k in HIDDEN_KEYS else v for k, v in batch.items()}
