@@ -57,7 +57,7 @@ def main() -> None:
     args = parse_args()
     from dataclasses import replace
 
-    from draftline import regenerate, serve
+    from draftline import engine, regenerate, serve
     from draftline.evaluate.rollout import num_speculative_tokens
     from draftline.pipeline import artifacts, config
 
@@ -67,7 +67,7 @@ def main() -> None:
     draft = Path(train["draft"]).absolute()
     k = num_speculative_tokens(draft)
     prompts, lengths = heldout_prompts(run_dir, args.max_prompts)
-    options = replace(config.engine_options(cfg, cfg.evaluate.vllm), max_num_seqs=args.max_num_seqs)
+    options = replace(engine.engine_options(cfg, cfg.evaluate.vllm), max_num_seqs=args.max_num_seqs)
     stops = regenerate.stop_token_ids(cfg.model.path)
     print(f"{len(prompts)} held-out prompts, {sum(lengths)} reply tokens at most; draft {draft}, k={k}")
 

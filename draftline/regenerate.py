@@ -121,28 +121,15 @@ def regenerate(samples: Sequence[list[int]], masks: Sequence[list[int]], generat
 class VllmReplies:
     """Greedy replies from the target through vLLM's offline ``LLM`` (prompts as token ids)."""
 
-    def __init__(self, model_dir: str, *, dtype: str, tensor_parallel_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-                 stop_ids: Sequence[int], seed: int, trust_remote_code: bool = False,
-                 limit_mm_per_prompt: dict[str, int] | None = None,
-                 enforce_eager: bool | None = None):
-        import torch
+    def __init__(self, options, stop_ids: Sequence[int], **stage):
+        """``options``: draftline.engine.EngineOptions (the run's one engine builder);
+        ``stage``: regenerate's own scheduler keys (max_num_batched_tokens)."""
         from vllm import LLM
 
-        if enforce_eager is None:
-            # vLLM compiles the model with inductor unless eager, which on CPU needs a C++
-            # compiler that the cpu image does not have; on CUDA, graphs speed up decoding.
-            enforce_eager = not torch.cuda.is_available()
+        from draftline.engine import llm_kwargs
+
         self.stop_ids = [int(i) for i in stop_ids]
-        self.llm = LLM(model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       enable_prefix_caching=False, trust_remote_code=trust_remote_code,
-                       enforce_eager=enforce_eager,
-                       # a multimodal target (Kimi-K2.5) runs text-only: {"vision_chunk": 0}
-                       **({} if limit_mm_per_prompt is None
-                          else {"limit_mm_per_prompt": dict(limit_mm_per_prompt)}))
+        self.llm = LLM(**llm_kwargs(options, **stage))
 
     def __call__(self, prompts: list[list[int]], caps: list[int]) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams

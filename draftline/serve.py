@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftline.engine import EngineOptions, llm_kwargs, serve_args
+
 log = logging.getLogger(__name__)
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -32,78 +34,11 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """How to start vLLM on the target: plain values, decided at the stage boundary."""
-
-    target: str                      # HF-layout model directory
-    dtype: str = "auto"              # torch dtype vLLM runs the target in
-    max_model_len: int | None = 2048  # tokens per sequence; None = the model config's
-    tensor_parallel_size: int = 1    # GPUs (or CPU ranks)
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 16           # sequences per batch
-    trust_remote_code: bool = False  # run Python shipped in the model directory
-    limit_mm_per_prompt: dict | None = None  # {"vision_chunk": 0}: a multimodal target (Kimi-K2.5) run text-only
-    mla_disable: bool = False        # VLLM_MLA_DISABLE=1 (vLLM's CPU platform has no MLA)
-    cpu_kvcache_gib: float = 1.0     # VLLM_CPU_KVCACHE_SPACE on the CPU platform (GiB)
-    seed: int = 0
-
-    def environment(self) -> dict[str, str]:
-        """Environment variables vLLM reads at start-up for these options."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
-                                                        f"{self.cpu_kvcache_gib:g}")}
-        if self.mla_disable:
-            env["VLLM_MLA_DISABLE"] = "1"
-        return env
-
-
-def speculative_config(draft: str | Path, k: int) -> dict:
-    """vLLM's speculative_config for an EAGLE-3 draft in speculators format."""
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
-
-
-def llm_kwargs(options: EngineOptions, draft: str | Path | None, k: int | None) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for the target, with the draft when given."""
-    import torch
-
-    kwargs = dict(
-        model=options.target, dtype=options.dtype, tensor_parallel_size=options.tensor_parallel_size,
-        gpu_memory_utilization=options.gpu_memory_utilization, max_num_seqs=options.max_num_seqs,
-        trust_remote_code=options.trust_remote_code, seed=options.seed,
-        # Every token of a prompt is computed, as in the offline estimate; and one step's stats
-        # arrive with that step's outputs (no overlap between steps).
-        enable_prefix_caching=False, async_scheduling=False,
-        disable_log_stats=False,
-        # Without CUDA: eager (inductor needs a C++ compiler the cpu image lacks).
-        enforce_eager=not torch.cuda.is_available(),
-    )
-    if options.max_model_len is not None:
-        kwargs["max_model_len"] = options.max_model_len
-    if options.limit_mm_per_prompt is not None:
-        kwargs["limit_mm_per_prompt"] = dict(options.limit_mm_per_prompt)
-    if draft is not None:
-        kwargs["speculative_config"] = speculative_config(draft, int(k))
-    return kwargs
-
-
 def serve_command(options: EngineOptions, draft: str | Path, k: int, *, host: str, port: int,
                   extra: Sequence[str] = ()) -> list[str]:
-    """`vllm serve` of the target with its draft: the command `make serve` runs."""
-    kwargs = llm_kwargs(options, draft, k)
-    command = ["vllm", "serve", options.target, "--host", host, "--port", str(port),
-               "--dtype", options.dtype, "--tensor-parallel-size", str(options.tensor_parallel_size),
-               "--gpu-memory-utilization", str(options.gpu_memory_utilization),
-               "--max-num-seqs", str(options.max_num_seqs), "--seed", str(options.seed),
-               "--speculative-config", json.dumps(kwargs["speculative_config"])]
-    if options.max_model_len is not None:
-        command += ["--max-model-len", str(options.max_model_len)]
-    if options.trust_remote_code:
-        command.append("--trust-remote-code")
-    if options.limit_mm_per_prompt is not None:
-        command += ["--limit-mm-per-prompt", json.dumps(dict(options.limit_mm_per_prompt))]
-    if kwargs["enforce_eager"]:
-        command.append("--enforce-eager")
-    return [*command, *extra]
+    """`vllm serve` of the target with its draft: the command `make serve` runs (the engine
+    evaluate measured, with ``engine.serving_differences`` applied)."""
+    return ["vllm", "serve", *serve_args(options, draft, k, host=host, port=port), *extra]
 
 
 # --------------------------------------------------------------------------- counters

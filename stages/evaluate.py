@@ -42,7 +42,7 @@ def measure_in_vllm(cfg: DictConfig, draft: Path, k: int, samples: list, propose
                     skipped: list, on_target_text: bool) -> dict | None:
     """vLLM's own greedy speculative decoding of the held-out prompts, step by step, against
     the offline walk of the same replies (draftline.evaluate.in_vllm.vllm_vs_offline)."""
-    from draftline import regenerate, serve
+    from draftline import engine, regenerate, serve
     from draftline.evaluate.in_vllm import vllm_vs_offline
     from draftline.evaluate.offline import held_out_replies
 
@@ -51,7 +51,7 @@ def measure_in_vllm(cfg: DictConfig, draft: Path, k: int, samples: list, propose
         skipped.append({"what": "acceptance in vLLM", "reason": "evaluate.vllm.enabled=false"})
         return None
     replies = held_out_replies(samples, live.max_replies)
-    options = config.engine_options(cfg, live)
+    options = engine.engine_options(cfg, live)
     measured = serve.measure_replies(
         options, draft.absolute(), k, [s.input_ids[:a].tolist() for s, a, _ in replies],
         [b - a for _, a, b in replies], regenerate.stop_token_ids(cfg.model.path))

@@ -34,7 +34,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline import formats, target
+from draftline import engine, formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config, launch
 from draftline.pipeline.progress import TOKENS, Progress
@@ -95,33 +95,23 @@ def replica_environments(replicas: int, tensor_parallel_size: int) -> list[dict[
             for b in launch.split_cores(cores, replicas, tensor_parallel_size)]
 
 
-def platform_environment(cfg: DictConfig) -> None:
-    """Hardware choices made here, at the boundary, before vLLM is imported."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.extract.cpu_kvcache_gib))
-    if cfg.model.mla_disable:
-        os.environ["VLLM_MLA_DISABLE"] = "1"
-
-
 def make_generator(cfg: DictConfig):
+    """speculators' hidden-state generator on the run's target, with the project's one set of
+    engine options (draftline.engine); their environment is set before vLLM is imported."""
+    options = engine.engine_options(cfg, cfg.extract)
+    os.environ.update(options.environment())
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     return VllmHiddenStatesGenerator(
-        str(cfg.model.path),
-        layer_ids=list(cfg.model.aux_layer_ids),
-        max_model_len=int(cfg.extract.max_model_len),
-        gpu_memory_utilization=float(cfg.extract.gpu_memory_utilization),
-        tensor_parallel_size=int(cfg.model.tensor_parallel_size),
-        dtype=str(cfg.model.dtype),
-        max_num_seqs=int(cfg.extract.max_num_seqs),
-        max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens),
-        trust_remote_code=bool(cfg.model.trust_remote_code),
-        limit_mm_per_prompt=config.mm_limits(cfg),
-    )
+        str(cfg.model.path), layer_ids=list(cfg.model.aux_layer_ids),
+        **engine.generator_kwargs(options,
+                                  max_num_batched_tokens=int(cfg.extract.max_num_batched_tokens)))
 
 
 # Keys that say where the target lives or how it was made (its files' content stands for them),
 # or that only check the run: they change no byte of a shard.
-NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code"),
+NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code",
+                                 "enforce_eager"),  # extraction always runs eager
                       "extract": ("disk_headroom",)}
 
 
@@ -204,7 +194,6 @@ def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
 def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
                  progress: Progress) -> None:
     """One engine in this process over ``plans`` (complete shards are skipped)."""
-    platform_environment(cfg)
     generator = make_generator(cfg)
     try:
         shards.extract_shards(generator, plans, inputs.samples, inputs.masks, inputs.out_dir,

@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftline import regenerate, target
+from draftline import engine, regenerate
 from draftline.formats import read_samples, write_samples
 from draftline.pipeline import artifacts, config
 from draftline.pipeline.progress import Progress
@@ -43,19 +43,11 @@ def keep(tokenize_dir: Path, tokenize: dict) -> dict:
 
 
 def make_engine(cfg: DictConfig, stop_ids: list[int]) -> regenerate.VllmReplies:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.regenerate.cpu_kvcache_gib))
-    if cfg.model.mla_disable:
-        os.environ["VLLM_MLA_DISABLE"] = "1"
-    return regenerate.VllmReplies(
-        str(cfg.model.path), dtype=str(cfg.model.dtype),
-        tensor_parallel_size=int(cfg.model.tensor_parallel_size),
-        max_model_len=int(cfg.regenerate.max_model_len), max_num_seqs=int(cfg.regenerate.max_num_seqs),
-        max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens),
-        gpu_memory_utilization=float(cfg.regenerate.gpu_memory_utilization),
-        stop_ids=stop_ids, seed=int(cfg.seed),
-        trust_remote_code=target.check(cfg.model.path, bool(cfg.model.trust_remote_code)),
-        limit_mm_per_prompt=config.mm_limits(cfg))
-
+    options = engine.engine_options(cfg, cfg.regenerate)
+    os.environ.update(options.environment())  # before vLLM is imported
+    # Replies need no per-step statistics: vLLM may overlap steps (async scheduling on GPUs).
+    return regenerate.VllmReplies(options, stop_ids, async_scheduling=None,
+                                  max_num_batched_tokens=int(cfg.regenerate.max_num_batched_tokens))
 
 def run(cfg: DictConfig) -> dict:
     mode = str(cfg.regenerate.replies)

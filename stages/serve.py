@@ -55,9 +55,10 @@ def check_exposure(host: str, extra_args: list[str], environ=os.environ) -> None
                      f"serve.host=127.0.0.1")
 
 
-def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
-    """The `vllm serve` argv and the environment it needs, checked before anything starts."""
-    from draftline import serve
+def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str], list[dict]]:
+    """The `vllm serve` argv, the environment it needs, and what it runs differently from
+    the engine evaluate measured (with why), checked before anything starts."""
+    from draftline import engine, serve
     from draftline.evaluate.rollout import num_speculative_tokens
 
     train = artifacts.read_manifest(config.stage_dir(cfg, "train"))
@@ -66,12 +67,12 @@ def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
         raise FileNotFoundError(f"{draft}/config.json missing: no trained draft to serve")
     check_exposure(str(cfg.serve.host), [str(a) for a in cfg.serve.extra_args])
     k = int(cfg.serve.steps or num_speculative_tokens(draft))
-    options = config.engine_options(cfg, cfg.serve)
+    options = engine.engine_options(cfg, cfg.serve)
     command = serve.serve_command(options, draft.absolute(), k, host=str(cfg.serve.host),
                                     port=int(cfg.serve.port), extra=list(cfg.serve.extra_args))
     # `vllm serve` through this interpreter: the venv's console script may not be on PATH.
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]
-    return command, options.environment()
+    return command, options.environment(), engine.serving_differences(options)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -79,21 +80,27 @@ def main(cfg: DictConfig) -> None:
     import torch
 
     config.fill_from_local(cfg)
-    command, env = server_command(cfg)
+    command, env, differences = server_command(cfg)
     if not torch.cuda.is_available():
         log.warning("no GPU: serving on vLLM's CPU engine, which is slow (for trying the API, "
                     "not for measuring speed)")
-    write_command(cfg, command, env)
+    write_command(cfg, command, env, differences)
     if os.environ.get(API_KEY):
         log.info("requests need the API key in %s (not written anywhere)", API_KEY)
     os.execve(sys.executable, command, {**os.environ, **env})
 
 
-def write_command(cfg: DictConfig, command: list[str], env: dict[str, str]) -> None:
-    """serve/command.json and the log line: what runs, without the environment's secrets (the
-    key travels only in this process's environment, which the server inherits)."""
+def write_command(cfg: DictConfig, command: list[str], env: dict[str, str],
+                  differences: list[dict]) -> None:
+    """serve/command.json and the log lines: what runs and how it differs from the engine
+    evaluate measured, without the environment's secrets (the key travels only in this
+    process's environment, which the server inherits)."""
     artifacts.write_json(config.stage_dir(cfg, "serve") / "command.json",
-                         {"command": command, "environment": env})
+                         {"command": command, "environment": env,
+                          "differences_from_evaluate": differences})
+    for d in differences:
+        log.info("serving with %s=%s (evaluate measured %s=%s): %s", d["setting"], d["serve"],
+                 d["setting"], d["evaluate"], d["why"])
     log.info("exec: %s", " ".join(command))
 
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftline import formats, regenerate
+from draftline.engine import EngineOptions
 from draftline.evaluate import in_vllm, offline, rollout, stats
 from stages.evaluate import GateFailed, apply_gate, check_features
 from conftest import compose
@@ -603,7 +604,7 @@ def decoded(pair, tmp_path_factory):
     from draftline import serve
 
     target_dir, _ = pair
-    options = serve.EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
+    options = EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
     stops = regenerate.stop_token_ids(target_dir)
     prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
     replies = serve.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]

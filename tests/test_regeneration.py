@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from draftline import regenerate
+from draftline.engine import EngineOptions
 from draftline.tiny import targets
 
 
@@ -87,10 +88,9 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     try:
-        engine = regenerate.VllmReplies(
-            str(model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256,
-            max_num_seqs=2, max_num_batched_tokens=64, gpu_memory_utilization=0.5,
-            stop_ids=[stop], seed=0)
+        options = EngineOptions(target=str(model_dir), dtype="float32", max_model_len=256,
+                                max_num_seqs=2, gpu_memory_utilization=0.5)
+        engine = regenerate.VllmReplies(options, [stop], max_num_batched_tokens=64)
         try:
             replies = engine(prompts, [12] * len(prompts))
         finally:

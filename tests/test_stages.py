@@ -182,9 +182,9 @@ def test_serve_listens_on_loopback_by_default_and_never_writes_the_key(tmp_path,
     for host in ("127.0.0.1", "0.0.0.0"):  # the default, and beyond loopback with the key set
         overrides = () if host == "127.0.0.1" else (f"serve.host={host}",)
         cfg, run_dir = _serve_cfg(tmp_path / host, model_dir, *overrides)
-        command, env = serve_stage.server_command(cfg)
+        command, env, differences = serve_stage.server_command(cfg)
         assert command[command.index("--host") + 1] == host
-        serve_stage.write_command(cfg, command, env)
+        serve_stage.write_command(cfg, command, env, differences)
         assert SENTINEL_KEY not in " ".join(command) and SENTINEL_KEY not in json.dumps(env)
         written = [p for p in run_dir.rglob("*") if p.is_file()]
         assert run_dir / "serve" / "command.json" in written

@@ -137,23 +137,3 @@ def mm_limits(cfg: DictConfig) -> dict[str, int] | None:
     limits = cfg.model.get("limit_mm_per_prompt")
     return None if limits is None else {str(k): int(v) for k, v in limits.items()}
 
-
-def engine_options(cfg: DictConfig, section: DictConfig, cpu_kvcache_gib: float = 1.0):
-    """How to start vLLM on the run's target: the model config plus one stage's engine
-    settings (``section`` holds max_model_len, and optionally max_num_seqs,
-    gpu_memory_utilization, cpu_kvcache_gib)."""
-    from draftline import target as remote_code
-    from draftline.serve import EngineOptions
-
-    model = cfg.model
-    return EngineOptions(
-        target=str(model.path), dtype=str(model.dtype),
-        max_model_len=None if section.max_model_len is None else int(section.max_model_len),
-        tensor_parallel_size=int(model.tensor_parallel_size),
-        gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.85)),
-        max_num_seqs=int(section.get("max_num_seqs", 16)),
-        trust_remote_code=remote_code.check(model.path, bool(model.trust_remote_code)),
-        limit_mm_per_prompt=mm_limits(cfg),
-        mla_disable=bool(model.mla_disable),
-        cpu_kvcache_gib=float(section.get("cpu_kvcache_gib", cpu_kvcache_gib)),
-        seed=int(cfg.seed))
