@@ -142,7 +142,19 @@ def _generate_timed(request: dict) -> dict:
     return result
 
 
-JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed}
+def _speculative_and_plain(request: dict) -> dict:
+    """The rehearsal's pair in one process, vLLM imported once: each prompt decoded with the
+    draft (``_measure_replies``), then all of them by the plain engine (``_generate_timed``)."""
+    import gc
+
+    speculative = _measure_replies(request)
+    gc.collect()  # the first engine's processes end (vLLM's finalizer) before the second starts
+    return {"speculative": speculative,
+            "plain": _generate_timed({**request, "draft": None, "k": None})}
+
+
+JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed,
+        "speculative-and-plain": _speculative_and_plain}
 
 
 # --------------------------------------------------------------------------- jobs (parent side)
@@ -180,6 +192,16 @@ def generate_timed(options: EngineOptions, draft: str | Path | None, k: int | No
     return run_job("generate-timed", {
         "draft": None if draft is None else str(draft), "k": k,
         "prompts": [list(map(int, p)) for p in prompts],
+        "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
+
+
+def speculative_and_plain(options: EngineOptions, draft: str | Path, k: int,
+                          prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                          stop_ids: Sequence[int]) -> dict:
+    """``measure_replies`` and the plain engine's ``generate_timed`` of the same prompts, in
+    one child process: {"speculative": ..., "plain": ...}."""
+    return run_job("speculative-and-plain", {
+        "draft": str(draft), "k": int(k), "prompts": [list(map(int, p)) for p in prompts],
         "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
 
 
