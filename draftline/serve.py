@@ -119,6 +119,7 @@ def _measure_replies(request: dict) -> dict:
                 steps.append(delta.accepted)
         replies.append({"tokens": tokens, "accepted": steps})
     totals = SpecCounters.read(engine, k)
+    _shutdown(llm)
     return {"replies": replies, "counters": totals.as_dict()}
 
 
@@ -139,16 +140,20 @@ def _generate_timed(request: dict) -> dict:
     result = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if before is not None:
         result["counters"] = SpecCounters.read(llm.llm_engine, k).minus(before).as_dict()
+    _shutdown(llm)
     return result
+
+
+def _shutdown(llm) -> None:
+    """End the engine's processes now: a second engine in the same job must not share the
+    cores with the first one's workers."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _speculative_and_plain(request: dict) -> dict:
     """The rehearsal's pair in one process, vLLM imported once: each prompt decoded with the
     draft (``_measure_replies``), then all of them by the plain engine (``_generate_timed``)."""
-    import gc
-
     speculative = _measure_replies(request)
-    gc.collect()  # the first engine's processes end (vLLM's finalizer) before the second starts
     return {"speculative": speculative,
             "plain": _generate_timed({**request, "draft": None, "k": None})}
 
