@@ -223,22 +223,23 @@ def test_the_tiny_targets_rehearse(tmp_path, exp):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path):
+    from draftline.pipeline import status
+
+    embedded = compose("tiny")
+    status.ensure_assets(embedded)  # the embedded conversations, as a user's data file
     data = tmp_path / "chats.jsonl"
+    data.write_bytes(Path(embedded.data.path).read_bytes())
     overrides = (f"model.path={KIMI_SHAPED}", f"data.path={data}", "tokenize.seq_length=512",
                  "extract.max_model_len=1024")
-    from draftline.tiny import embedded
-
-    embedded.ensure_conversations(str(REPO / "runs/_assets/conversations.jsonl"), "runs/_assets",
-                                  max_bytes=1_000_000)
-    data.write_bytes((REPO / "runs/_assets/conversations.jsonl").read_bytes())
     run_dir = _tokenized(tmp_path, "kimi-k2.5", *overrides)
     result = _stage("rehearse", "kimi-k2.5", run_dir, *overrides)
-    manifest = _check_rehearsal(run_dir, result.stdout + result.stderr)
+    output = result.stdout + result.stderr
+    manifest = _check_rehearsal(run_dir, output)
     reasons = {item["what"]: item["reason"] for item in manifest["not_rehearsed"]}
     assert reasons["quantization_config (compressed-tensors, pack-quantized, INT4 groups of 32)"].startswith(
         "INT4 MoE: no CPU kernel")
     assert reasons["MLA attention"].startswith("MLA: no CPU backend")
-    assert "not rehearsed: MLA attention: MLA: no CPU backend" in result.stderr
+    assert "not rehearsed: MLA attention: MLA: no CPU backend" in output
     mini = manifest["miniature"]
     assert mini["architecture"] == "KimiK25ForConditionalGeneration" and mini["model_type"] == "kimi_k25"
     assert mini["kept_layers"] == [0, 1, 2, 29, 30, 57, 58, 60] and mini["aux_layer_ids"] == [2, 4, 6]
@@ -259,3 +260,28 @@ def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_ca
     assert float(failed[1]) < 30
     assert "broken_capture_call" in output and "arguments swapped" in output
     assert not (run_dir / "rehearse" / "manifest.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp_path):
+    """`make selftest` on a user's GPU host (CUDA vLLM): the miniature keeps the INT4 experts
+    (compressed-tensors, Marlin) and MLA, compiled with CUDA graphs, TP up to the GPUs there."""
+    from draftline import engine
+    from draftline.pipeline import status
+
+    if not engine.cuda_available():
+        pytest.skip("needs a CUDA GPU")
+    embedded = compose("tiny")
+    status.ensure_assets(embedded)
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(Path(embedded.data.path).read_bytes())
+    overrides = (f"model.path={KIMI_SHAPED}", f"data.path={data}", "tokenize.seq_length=512",
+                 "extract.max_model_len=1024")
+    run_dir = _tokenized(tmp_path, "kimi-k2.5", *overrides)
+    result = _stage("rehearse", "kimi-k2.5", run_dir, *overrides)
+    manifest = _manifest(run_dir)
+    assert all(c["passed"] for c in manifest["checks"]), result.stderr[-4000:]
+    assert manifest["miniature"]["quantization_kept"] is True
+    whats = {item["what"] for item in manifest["not_rehearsed"]}
+    assert not any(w.startswith(("quantization_config", "MLA")) for w in whats), whats

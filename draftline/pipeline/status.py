@@ -3,6 +3,7 @@
     python -m draftline.pipeline.status stamp tiny -- train.lr=1e-3
     python -m draftline.pipeline.status show runs/tiny
     python -m draftline.pipeline.status accept runs/tiny extract
+    python -m draftline.pipeline.status gate kimi-k2.5 -- model.path=/models/kimi
 
 Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
 Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
@@ -17,6 +18,9 @@ by a dry run; its target is runs/<exp>/.assets-cache.json) builds the project's 
 (tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
 of file stats alone (conf/, the project's code, the installed packages and patch records, the
 inputs the last compose named) and skips Hydra entirely when nothing changed.
+
+``gate`` answers the Makefile when it parses: which targets wait for the rehearsal (the
+stages that load a target whose weights exceed rehearse.min_target_gb), cached the same way.
 """
 
 from __future__ import annotations

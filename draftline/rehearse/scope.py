@@ -34,8 +34,7 @@ class Scope:
     def record(self) -> dict:
         return {"device": self.device, "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size,
                 "mla_disable": self.mla_disable, "serve_max_model_len": self.serve_max_model_len,
-                "skip": list(self.skip),
-                "not_rehearsed": list(self.not_rehearsed)}
+                "skip": list(self.skip)}
 
 
 def devices_here(on_gpu: bool) -> int:
@@ -91,8 +90,9 @@ def decide(cfg: DictConfig, on_gpu: bool, available: int,
     if capped < tp:
         missing.append({"what": f"tensor_parallel_size={tp}",
                         "reason": f"capped to {capped}: this machine has {available} "
-                                  f"{'GPUs' if on_gpu else 'CPU cores'} (rehearse.max_tensor_parallel_size="
-                                  f"{rehearse.max_tensor_parallel_size})"})
+                                  f"{'GPUs' if on_gpu else 'CPU cores'}" + (
+                                      "" if rehearse.max_tensor_parallel_size is None else
+                                      f", rehearse.max_tensor_parallel_size={rehearse.max_tensor_parallel_size}")})
     dtype = _dtype(model, config)
     if not on_gpu and dtype in ("bfloat16", "float16") and not (
             cpu_runs_half_precision() if half_precision is None else half_precision):
