@@ -46,7 +46,8 @@ def test_kimi_miniature_keeps_the_layers_around_each_aux_id_and_remaps_the_ids()
         assert plan.mapping[old] == new and plan.mapping[old - 1] == new - 1
 
 
-@pytest.mark.parametrize("first_dense", [1, 3])  # Kimi-K2.5: 1; DeepSeek-V3: 3
+# Kimi-K2.5: 1; DeepSeek-V3: 3; 10: more dense layers than the miniature keeps below aux id 30
+@pytest.mark.parametrize("first_dense", [1, 3, 10])
 def test_each_kept_layer_keeps_its_real_kind(first_dense):
     text = {**kimi_text(), "first_k_dense_replace": first_dense}
     plan = miniature.plan_layers(text, KIMI_AUX_IDS)
@@ -55,7 +56,7 @@ def test_each_kept_layer_keeps_its_real_kind(first_dense):
                                        mla_disable=True, quantized=False)
     assert plan.kinds == tuple(kinds[i] for i in plan.kept)
     assert miniature.layer_kinds(mini) == list(plan.kinds)
-    assert plan.kinds.count("dense") == mini["first_k_dense_replace"] == first_dense
+    assert plan.kinds.count("dense") == mini["first_k_dense_replace"] == min(first_dense, 3)
 
 
 def test_dense_layers_between_moe_layers_are_refused():
@@ -105,6 +106,62 @@ def test_cpu_head_sizes_are_kept_or_replaced():
                                              mla_disable=True, quantized=False)
     assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] in miniature.CPU_HEAD_SIZES
     assert dropped[0]["what"] == "MLA head size 184"
+
+
+# --------------------------------------------------------------------------- the cost
+
+
+class _RandomGenerator:
+    """speculators' generator's contract without vLLM: one [T, H] tensor per slot per prompt."""
+
+    def __init__(self, num_slots: int, hidden: int):
+        self.num_slots, self.hidden = num_slots, hidden
+
+    def generate(self, prompts):
+        import torch
+
+        return [{"input_ids": torch.tensor(p), "hidden_states": [torch.randn(len(p), self.hidden)
+                                                                 for _ in range(self.num_slots)]}
+                for p in prompts]
+
+
+@pytest.mark.parametrize("save_dtype", ["bfloat16", "float32"])
+def test_the_cost_is_within_1pct_of_the_shards_extracts_code_writes(tmp_path, save_dtype):
+    """extract's shard writer (draftline.extract.shards, with a generator standing in for vLLM)
+    against the estimate from the token count (tests/test_pipeline.py: a real `make extract`)."""
+    import torch
+
+    from draftline import formats
+    from draftline.extract import shards
+    from draftline.pipeline.progress import TOKENS, Progress
+    from draftline.rehearse import cost
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 600, (60,), generator=generator).tolist()
+    samples = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
+    masks = [[1] * n for n in lengths]
+    plans = shards.plan_shards(lengths, 8192)
+    shards.extract_shards(_RandomGenerator(4, 256), plans, samples, masks, tmp_path, 4096, save_dtype,
+                          formats.shard_metadata("x", [2, 3, 4], 256), Progress("t", sum(lengths), unit=TOKENS, quiet=True))
+    written = sum((tmp_path / p.name).stat().st_size for p in plans)
+    estimate = cost.estimate(sum(lengths), len(lengths), num_slots=4, hidden_size=256,
+                             save_dtype=save_dtype, shard_dir=tmp_path, headroom=1.1,
+                             tokens_per_second=1000.0, throughput_from="test")
+    assert abs(estimate.total_bytes - written) <= 0.01 * written, (estimate.total_bytes, written)
+    assert estimate.present_bytes == written and estimate.needed_bytes == 0 and estimate.fits
+    assert estimate.seconds == pytest.approx(sum(lengths) / 1000.0)
+
+
+def test_the_cost_lines_name_bytes_disk_and_time():
+    from draftline.rehearse import cost
+
+    estimate = cost.Cost(20_000 * 8_192, 1000, 57_353, 20_000 * 8_192 * 57_353, Path("runs/x/extract"),
+                         0, int(20_000 * 8_192 * 57_353 * 1.1), 10**12, 30_000.0, "configured",
+                         None, False)
+    lines = estimate.lines()
+    assert lines[0].startswith("extract writes 9.40 TB: 163,840,000 tokens x 57,353 B/token")
+    assert lines[1].endswith(": DOES NOT FIT") and not estimate.fits
+    assert lines[2] == "time: about 1 h 31 min at 30,000 tokens/s (configured)"
 
 
 # --------------------------------------------------------------------------- the gate

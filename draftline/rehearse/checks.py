@@ -110,6 +110,7 @@ def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
     from draftline import formats
     from draftline.extract import shards
     from draftline.pipeline.progress import TOKENS, Progress
+    from draftline.rehearse import cost
     from draftline.tiny import miniature
 
     lengths = [len(s) for s in samples]
@@ -133,11 +134,11 @@ def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
         os.environ.clear()
         os.environ.update(environment)
     written = sum((out_dir / p.name).stat().st_size for p in plans)
-    # The cost formula (draftline.rehearse.cost) on shards extract's own code just wrote.
-    per_token = shards.bytes_per_token(len(aux_ids) + 1, int(cfg_mini.model.hidden_size),
-                                       str(cfg_mini.extract.save_dtype))
+    # The cost line's formula on the shards extract's own code just wrote.
+    estimated = cost.shard_bytes(sum(lengths), len(aux_ids) + 1, int(cfg_mini.model.hidden_size),
+                                 str(cfg_mini.extract.save_dtype))
     record = {"samples": len(samples), "tokens": sum(lengths), "shards": len(plans),
-              "shard_bytes": written, "estimated_bytes": sum(lengths) * per_token,
+              "shard_bytes": written, "estimated_bytes": estimated,
               "engine_start_seconds": engine_ready - started}
     model, why = reference_model
     if model is None:

@@ -103,12 +103,17 @@ def throughput(configured: float | None, extract_manifest: Path) -> tuple[float 
                   "rehearse.extract_tokens_per_second (tokens/s)")
 
 
+def shard_bytes(num_tokens: int, num_slots: int, hidden_size: int, save_dtype: str) -> int:
+    """What extract writes for ``num_tokens`` tokens (headers and per-sample offsets aside)."""
+    return num_tokens * shards.bytes_per_token(num_slots, hidden_size, save_dtype)
+
+
 def estimate(num_tokens: int, num_samples: int, *, num_slots: int, hidden_size: int,
              save_dtype: str, shard_dir: Path, headroom: float, tokens_per_second: float | None,
              throughput_from: str, train_tokens: int | None = None,
              regenerated: bool = False) -> Cost:
     per_token = shards.bytes_per_token(num_slots, hidden_size, save_dtype)
-    total = num_tokens * per_token
+    total = shard_bytes(num_tokens, num_slots, hidden_size, save_dtype)
     present = sum(p.stat().st_size for p in shard_dir.glob(SHARD_GLOB)) if shard_dir.is_dir() else 0
     return Cost(num_tokens, num_samples, per_token, total, shard_dir, present,
                 int(max(total - present, 0) * headroom), _free_bytes(shard_dir),
