@@ -89,7 +89,7 @@ export HYDRA_FULL_ERROR := 1
 RUN := runs/$(EXP)
 ASSETS := runs/_assets
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)
-STAGES := tokenize regenerate extract prepare train evaluate report
+STAGES := tokenize rehearse regenerate extract prepare train evaluate report
 STAMPS := $(foreach s,$(STAGES),$(RUN)/$(s)/config.json $(RUN)/$(s)/deps.json)
 MANIFESTS := $(foreach s,$(STAGES),$(RUN)/$(s)/manifest.json)
 
@@ -124,12 +124,31 @@ $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) | $(EXP_ASSETS)
 $(MANIFESTS): $(RUN)/%/manifest.json: $(RUN)/%/config.json $(RUN)/%/deps.json
 	$(PY) -m stages.$* $(STAGE_ARGS)
 # ... or its upstream manifest is newer: one line per edge.
+$(RUN)/rehearse/manifest.json: $(RUN)/tokenize/manifest.json
 $(RUN)/regenerate/manifest.json: $(RUN)/tokenize/manifest.json
 $(RUN)/extract/manifest.json: $(RUN)/regenerate/manifest.json
 $(RUN)/prepare/manifest.json: $(RUN)/extract/manifest.json
 $(RUN)/train/manifest.json: $(RUN)/prepare/manifest.json
 $(RUN)/evaluate/manifest.json: $(RUN)/train/manifest.json
 $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json
+
+# The stages that load the target wait for the rehearsal when its weights exceed
+# rehearse.min_target_gb (or rehearse.enabled=true): extract, regenerate with replies=target,
+# evaluate in vLLM, serve. Order-only: a rehearsal rerun by a code edit never makes a finished
+# extraction stale. Which ones is the config's answer, asked when Make parses (only for goals
+# that may run them: `make help` never composes a config) and cached under runs/$(EXP)/ by
+# file stats, so a repeated `make` stays quick.
+LOADS_TARGET := regenerate extract extract-slice prepare train evaluate report all serve
+REHEARSED :=
+ifneq ($(and $(wildcard $(PY)),$(filter $(LOADS_TARGET) $(RUN)/%,$(MAKECMDGOALS))),)
+REHEARSED := $(shell $(PY) -m draftline.pipeline.status gate $(EXP) -- $(OVERRIDES))
+ifneq ($(.SHELLSTATUS),0)
+$(error `draftline.pipeline.status gate $(EXP)` failed (above): cannot tell whether to rehearse first)
+endif
+endif
+ifneq ($(strip $(REHEARSED)),)
+$(REHEARSED): | $(RUN)/rehearse/manifest.json
+endif
 
 # One host's slice of a multi-host extraction (deploy/slurm, deploy/k8s): the shards with
 # index % N == i, into the shared run dir, and no manifest. A plain `make extract` (so also
@@ -141,8 +160,9 @@ extract-slice: $(RUN)/regenerate/manifest.json
 	@[ -n "$(SHARD)" ] || { echo "usage: make extract SHARD=i/N [EXP=...]" >&2; exit 2; }
 	$(PY) -m stages.extract $(STAGE_ARGS) extract.shard=$(SHARD)
 
-.PHONY: tokenize regenerate extract prepare train all
+.PHONY: tokenize rehearse regenerate extract prepare train all
 tokenize: $(RUN)/tokenize/manifest.json ## Tokenize conversations, loss masks, draft vocab (d2t/t2d)
+rehearse: $(RUN)/rehearse/manifest.json ## Engine code of the run on a miniature of its target (random weights), and the run's cost
 regenerate: $(RUN)/regenerate/manifest.json ## Optionally the target's own greedy replies (vLLM), then d2t/t2d
 extract: $(if $(SHARD),extract-slice,$(RUN)/extract/manifest.json) ## Target hidden states via vLLM into safetensors shards (SHARD=i/N: one host's slice)
 prepare: $(RUN)/prepare/manifest.json ## Train/validation split and the trainer's index

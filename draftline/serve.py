@@ -119,6 +119,7 @@ def _measure_replies(request: dict) -> dict:
                 steps.append(delta.accepted)
         replies.append({"tokens": tokens, "accepted": steps})
     totals = SpecCounters.read(engine, k)
+    _shutdown(llm)
     return {"replies": replies, "counters": totals.as_dict()}
 
 
@@ -139,10 +140,26 @@ def _generate_timed(request: dict) -> dict:
     result = {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if before is not None:
         result["counters"] = SpecCounters.read(llm.llm_engine, k).minus(before).as_dict()
+    _shutdown(llm)
     return result
 
 
-JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed}
+def _shutdown(llm) -> None:
+    """End the engine's processes now: a second engine in the same job must not share the
+    cores with the first one's workers."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _speculative_and_plain(request: dict) -> dict:
+    """The rehearsal's pair in one process, vLLM imported once: each prompt decoded with the
+    draft (``_measure_replies``), then all of them by the plain engine (``_generate_timed``)."""
+    speculative = _measure_replies(request)
+    return {"speculative": speculative,
+            "plain": _generate_timed({**request, "draft": None, "k": None})}
+
+
+JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed,
+        "speculative-and-plain": _speculative_and_plain}
 
 
 # --------------------------------------------------------------------------- jobs (parent side)
@@ -180,6 +197,16 @@ def generate_timed(options: EngineOptions, draft: str | Path | None, k: int | No
     return run_job("generate-timed", {
         "draft": None if draft is None else str(draft), "k": k,
         "prompts": [list(map(int, p)) for p in prompts],
+        "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
+
+
+def speculative_and_plain(options: EngineOptions, draft: str | Path, k: int,
+                          prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                          stop_ids: Sequence[int]) -> dict:
+    """``measure_replies`` and the plain engine's ``generate_timed`` of the same prompts, in
+    one child process: {"speculative": ..., "plain": ...}."""
+    return run_job("speculative-and-plain", {
+        "draft": str(draft), "k": int(k), "prompts": [list(map(int, p)) for p in prompts],
         "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
 
 

@@ -73,6 +73,19 @@ def read_target_shape(model_dir: str | Path) -> TargetShape:
     )
 
 
+# Weight files of a model directory (their total size decides whether a run rehearses first).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weight_bytes(model_dir: str | Path) -> int:
+    """Total size of the directory's weight files (top level, as HF checkpoints lay them out);
+    0 for a directory that does not exist yet (a tiny target not built yet)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
 # Files of a model directory that record how the project built it (with timings), not what the
 # target computes: left out of its digest.
 BUILD_RECORDS = ("build.json",)

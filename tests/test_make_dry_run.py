@@ -84,3 +84,28 @@ def test_a_built_tiny_target_at_a_users_path_is_refused(repo, tmp_path):
     result = dry_run(repo, "tokenize", f"model.path={model_dir}")
     assert result.returncode != 0 and "conf/model/<name>.yaml with build: null" in result.stderr
     assert list(model_dir.iterdir()) == []
+
+
+def test_a_big_target_makes_extract_wait_for_the_rehearsal_and_a_small_one_does_not(repo, tmp_path):
+    """Decided when Make parses (draftline.pipeline.status gate): the rehearsal joins the dry
+    run before extract only when the target's weight files exceed rehearse.min_target_gb."""
+    shaped = REPO / "tests/assets/kimi-k2.5-shaped"
+    big = tmp_path / "big"
+    big.mkdir()
+    for path in shaped.iterdir():
+        (big / path.name).write_bytes(path.read_bytes())
+    with open(big / "model-00001-of-00001.safetensors", "wb") as weights:
+        weights.truncate(5 * 10**9)  # sparse: 5 GB of size, no disk
+    data = tmp_path / "chats.jsonl"
+    data.write_text(USER_DATA)
+    before = tree_hashes(repo)
+    ran = {}
+    for name, model in (("big", big), ("small", shaped)):
+        result = subprocess.run(["make", "--no-print-directory", "-n", "extract", f"VENV={sys.prefix}",
+                                 "EXP=kimi-k2.5", f"OVERRIDES=model.path={model} data.path={data}"],
+                                cwd=repo, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        ran[name] = re.findall(r"-m stages\.(\w+)", result.stdout)
+    assert ran["big"] == ["tokenize", "regenerate", "rehearse", "extract"]
+    assert ran["small"] == ["tokenize", "regenerate", "extract"]
+    assert tree_hashes(repo) == before

@@ -84,6 +84,23 @@ def test_every_stage_leaves_a_manifest_with_provenance(repo):
     assert all(s["seconds"] > 0 and s["finished_unix"] > 0 for s in extract["shards"])
 
 
+def test_the_rehearsal_cost_is_within_1pct_of_the_shards_extract_wrote(repo):
+    """The cost line `make rehearse` prints, from tokenize's token count alone, against the
+    bytes this run's real extraction of the same samples put on disk."""
+    from draftline.pipeline import config
+    from draftline.rehearse import cost
+
+    cfg = config.compose(config.experiment_overrides("tiny", BASE.split()))
+    cfg.model.path, cfg.run_dir = str(repo / cfg.model.path), str(repo / "runs/tiny")
+    tokenized = json.loads((repo / "runs/tiny/tokenize/manifest.json").read_text())
+    extracted = json.loads((repo / "runs/tiny/extract/manifest.json").read_text())
+    estimate = cost.run_cost(cfg, tokenized)
+    written = sum(s["bytes"] for s in extracted["shards"])
+    assert extracted["num_tokens"] == tokenized["num_tokens"]  # replies=data: the same samples
+    assert abs(estimate.total_bytes - written) <= 0.01 * written, (estimate.total_bytes, written)
+    assert estimate.present_bytes == written and estimate.needed_bytes == 0  # a rerun resumes
+
+
 def test_second_run_is_a_no_op(repo):
     start = time.monotonic()
     ran, _ = make(repo, "all")

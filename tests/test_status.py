@@ -25,7 +25,7 @@ from draftline.pipeline import artifacts, config, deps, status
 from draftline.tiny import embedded, targets
 
 REPO = deps.REPO
-STAGES = config.STAGES
+STAGES = tuple(s for s in config.STAGES if s != "rehearse")  # the pipeline; the rehearsal is a side branch
 T0 = 1_700_000_000 * 10**9  # ns; manifests get mtimes T0, T0 + 1 s, ... in pipeline order
 SECOND = 10**9
 CODE = "draftline/pipeline/status.py"  # a project file every hand-made record depends on
@@ -71,8 +71,19 @@ def _stale_code(record: dict) -> None:
 
 
 def test_status_lines_in_pipeline_order(tmp_path):
+    run = _run(tmp_path, stages=config.STAGES)
+    assert status.show_status(run) == [f"{stage:>10}: up to date" for stage in config.STAGES]
+
+
+def test_a_rehearsal_no_stage_waits_for_is_not_run_and_stales_nothing(tmp_path):
     run = _run(tmp_path)
-    assert status.show_status(run) == [f"{stage:>10}: up to date" for stage in STAGES]
+    artifacts.write_json(run / ".rehearse-gate.json", {"key": "", "inputs": [], "targets": []})
+    lines = status.show_status(run)
+    assert lines[1].startswith("  rehearse: not run (no stage waits for it")
+    assert lines[:1] + lines[2:] == [f"{stage:>10}: up to date" for stage in STAGES]
+    artifacts.write_json(run / ".rehearse-gate.json", {"key": "", "inputs": [], "targets": ["serve"]})
+    assert status.show_status(run)[1] == "  rehearse: STALE - never run (no manifest)"
+    assert status.show_status(run)[2] == "regenerate: up to date"  # a side branch: stales nothing
     assert status.show_status(run)[0] == "  tokenize: up to date"
 
 
@@ -83,6 +94,7 @@ def test_status_names_each_reason_and_marks_what_follows_a_stale_stage(tmp_path)
     _edit_record(run / "extract", _stale_code)
     assert status.show_status(run) == [
         "  tokenize: STALE - config k: 1 -> 2",
+        "  rehearse: STALE - never run (no manifest)",
         "regenerate: STALE - an upstream stage is stale",
         "   extract: STALE - config new: null -> true; code draftline/pipeline/status.py changed",
         "   prepare: STALE - an upstream stage is stale",
@@ -150,14 +162,14 @@ def test_a_gate_named_now_joins_evaluates_dependencies(tmp_path):
     artifacts.write_json(evaluate / artifacts.MANIFEST, manifest)
     _set_mtime(evaluate / artifacts.MANIFEST, T0 + 5 * SECOND)
     artifacts.write_json(run / "train" / artifacts.STAMP, {"k": 1})
-    assert status.show_status(run)[4:] == [
+    assert status.show_status(run)[5:] == [
         "     train: up to date", f"  evaluate: STALE - files {gate} changed",
         "    report: STALE - never run (no manifest)"]
     # A record made before files were recorded at all: the same difference, no error.
     _edit_record(evaluate, lambda record: record.pop("files"))
     assert status.stale_reasons(evaluate, run / "train", [str(gate)]) == [f"files {gate} changed"]
     assert status.accept(run, "evaluate") == [f"files {gate} changed"]
-    assert status.show_status(run)[5] == "  evaluate: up to date"
+    assert status.show_status(run)[6] == "  evaluate: up to date"
 
 
 # ---------------------------------------------------------------- deps.json: content and mtime
@@ -216,7 +228,7 @@ def test_accept_records_what_it_kept_and_leaves_mtimes_alone(tmp_path):
     assert manifest["provenance"]["deps"] == deps.current(previous)
     assert manifest_path.stat().st_mtime_ns == T0 + 3 * SECOND
     assert (prepare / status.DEPS_STAMP).stat().st_mtime_ns == T0 + 3 * SECOND
-    assert status.show_status(run)[3] == "   prepare: up to date"
+    assert status.show_status(run)[4] == "   prepare: up to date"
     with pytest.raises(ValueError, match="^prepare: nothing to accept, its dependencies are unchanged$"):
         status.accept(run, "prepare")
     # A second accept appends.
@@ -590,16 +602,16 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
                          {"provenance": {"config": {}, "deps": deps.current({"code": {CODE: None}})}})
     assert _main(monkeypatch, status, ["stamp", "tiny"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"config changed: {run / stage / name}" for stage in STAGES for name in ("config.json", "deps.json")]
+        f"config changed: {run / stage / name}" for stage in config.STAGES for name in ("config.json", "deps.json")]
     assert not Path("runs/_assets/conversations.jsonl").exists()  # stamping builds nothing
-    for stage in set(STAGES) - {"evaluate"}:
+    for stage in set(config.STAGES) - {"evaluate"}:
         assert artifacts.read_json(run / stage / "deps.json") == {"recorded": None, "why": "the stage has not run"}
     assert artifacts.read_json(run / "evaluate/deps.json") == deps.current(
         {"code": {CODE: None}, "files": {gate: None}})
     assert artifacts.read_json(run / "evaluate/deps.json")["files"][gate] == _sha(REPO / gate)
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] != 0.5
     cache = artifacts.read_json(run / ".stamp-cache.json")
-    assert cache["stamps"] == [str(run / s / n) for s in STAGES for n in ("config.json", "deps.json")]
+    assert cache["stamps"] == [str(run / s / n) for s in config.STAGES for n in ("config.json", "deps.json")]
     assert cache["inputs"] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json", gate]
     assert status.stamp_is_fresh("tiny", ["stamp", "tiny"])
     assert _main(monkeypatch, status, ["stamp", "tiny"]) is None  # fresh: returns before Hydra and typer

@@ -12,11 +12,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-STAGES = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate", "report")
+STAGES = ("tokenize", "rehearse", "regenerate", "extract", "prepare", "train", "evaluate", "report")
+# Each stage's upstream stage, whose manifest it is made from (the rehearsal is a side branch:
+# stages that load the target wait for it, order-only, but are not made from it).
+UPSTREAM = {"rehearse": "tokenize", "regenerate": "tokenize", "extract": "regenerate",
+            "prepare": "extract", "train": "prepare", "evaluate": "train", "report": "evaluate"}
 # The config groups each stage reads. Upstream changes reach a stage through the upstream
 # manifest, so a stage's stamp holds only what it reads itself.
 STAGE_KEYS = {
     "tokenize": ("model", "data", "tokenize", "seed", "numerics"),
+    "rehearse": ("model", "rehearse", "extract", "regenerate", "train", "evaluate", "serve",
+                 "seed", "numerics"),
     "regenerate": ("model", "regenerate", "seed", "numerics"),
     "extract": ("model", "extract", "numerics"),
     "prepare": ("prepare", "seed", "numerics"),
@@ -24,6 +30,13 @@ STAGE_KEYS = {
     "evaluate": ("model", "evaluate", "seed", "numerics"),
     "report": ("report", "numerics"),
 }
+# Groups a stage reads only a few keys of: the others (train.lr for the rehearsal) change
+# nothing it runs, so they stay out of its stamp. The rehearsal reads the draft's shape and
+# the training plan (cost), whether replies are regenerated, and the engine sections.
+PARTIAL_KEYS = {"rehearse": {"train": ("num_layers", "ttt_steps", "steps", "max_tokens_per_step"),
+                             "regenerate": ("replies",), "evaluate": ("vllm",),
+                             "serve": ("max_model_len", "max_num_seqs", "gpu_memory_utilization",
+                                       "cpu_kvcache_gib")}}
 # Keys that say where and on how many processes a stage runs, not what it computes (a run
 # resumes on another number of GPUs; shards are the same bytes whichever process made them):
 # left out of the stage's stamp, recorded config and shard fingerprint, so switching GPUS=1 to
@@ -101,6 +114,8 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     resolved = {key: OmegaConf.to_container(cfg, resolve=True)[key] for key in STAGE_KEYS[stage]}
     for group, keys in launch_config(cfg, stage).items():
         resolved[group] = {key: value for key, value in resolved[group].items() if key not in keys}
+    for group, keys in PARTIAL_KEYS.get(stage, {}).items():
+        resolved[group] = {key: resolved[group][key] for key in keys}
     resolved["run_dir"] = str(cfg.run_dir)
     if stage == "regenerate":  # which layers extract captures does not change the replies
         del resolved["model"]["aux_layer_ids"]
@@ -109,7 +124,7 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
             "data": input_fingerprint(cfg.data.path),
             "model_config": input_fingerprint(Path(cfg.model.path) / "config.json"),
         }
-    if stage in ("regenerate", "extract"):
+    if stage in ("rehearse", "regenerate", "extract"):
         resolved["inputs"] = {"model_config": input_fingerprint(Path(cfg.model.path) / "config.json")}
     return resolved
 

@@ -3,6 +3,7 @@
     python -m draftline.pipeline.status stamp tiny -- train.lr=1e-3
     python -m draftline.pipeline.status show runs/tiny
     python -m draftline.pipeline.status accept runs/tiny extract
+    python -m draftline.pipeline.status gate kimi-k2.5 -- model.path=/models/kimi
 
 Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
 Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
@@ -17,6 +18,9 @@ by a dry run; its target is runs/<exp>/.assets-cache.json) builds the project's 
 (tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
 of file stats alone (conf/, the project's code, the installed packages and patch records, the
 inputs the last compose named) and skips Hydra entirely when nothing changed.
+
+``gate`` answers the Makefile when it parses: which targets wait for the rehearsal (the
+stages that load a target whose weights exceed rehearse.min_target_gb), cached the same way.
 """
 
 from __future__ import annotations
@@ -148,6 +152,59 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
 DEPS_STAMP = "deps.json"
 
 
+# --------------------------------------------------------------------------- rehearsal gate
+
+REHEARSE_MODES = ("auto", True, False)
+
+
+def rehearsed_targets(cfg) -> list[str]:
+    """The Make targets that wait for the rehearsal (order-only): the stages that load the
+    target, when rehearse.enabled is true, or auto and the target's weights exceed
+    rehearse.min_target_gb."""
+    from draftline import target
+
+    mode = cfg.rehearse.enabled
+    if mode not in REHEARSE_MODES:
+        raise ValueError(f"rehearse.enabled={mode!r}: expected auto, true or false")
+    if mode is False:
+        return []
+    if mode == "auto" and target.weight_bytes(cfg.model.path) <= float(cfg.rehearse.min_target_gb) * 1e9:
+        return []
+    run = Path(cfg.run_dir)
+    loading = ["extract"] + (["regenerate"] if cfg.regenerate.replies == "target" else [])
+    loading += ["evaluate"] if cfg.evaluate.vllm.enabled else []
+    # extract-slice: one host's share of a multi-host extraction loads the target too.
+    return sorted(str(run / stage / "manifest.json") for stage in loading) + ["extract-slice", "serve"]
+
+
+def _gate_cache(exp: str) -> Path:
+    return Path("runs") / exp / ".rehearse-gate.json"
+
+
+def write_gate(exp: str, overrides: list[str], argv: list[str]) -> list[str]:
+    """``rehearsed_targets`` for the experiment, cached by file stats (conf/, code, packages,
+    the model directory): Make asks when it parses, so a repeated `make` must stay quick.
+    Writes only under runs/<exp>/ (a dry run asks too)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    from draftline.pipeline import artifacts, config
+
+    cache = _gate_cache(exp)
+    if cache.exists():
+        saved = artifacts.read_json(cache)
+        if saved["key"] == _cache_key(argv, saved["inputs"]):
+            return saved["targets"]
+    cfg = config.compose(config.experiment_overrides(exp, overrides))
+    try:
+        model_dir = str(cfg.model.path)
+    except MissingMandatoryValue:
+        return []  # nothing to gate yet: the stamping step names the missing value
+    targets = rehearsed_targets(cfg)
+    inputs = [model_dir, str(Path(model_dir) / "config.json")]
+    artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs, "targets": targets})
+    return targets
+
+
 def recorded_deps(manifest: dict) -> dict | None:
     """What a stage's run depended on, as its manifest recorded it (None: made before
     draftline recorded dependencies)."""
@@ -226,18 +283,32 @@ def stage_files(run_dir: Path, stage: str) -> list[str]:
     return [str(gate)] if stage == "evaluate" and gate else []
 
 
+def not_required(run_dir: Path) -> bool:
+    """The rehearsal never ran and the last gate decision (``write_gate``) gated nothing."""
+    from draftline.pipeline import artifacts
+
+    gate = run_dir / ".rehearse-gate.json"
+    return (not (run_dir / "rehearse" / artifacts.MANIFEST).exists() and gate.exists()
+            and not artifacts.read_json(gate)["targets"])
+
+
 def show_status(run_dir: Path) -> list[str]:
     """One line per stage in pipeline order, with every reason it is stale."""
     from draftline.pipeline import config
 
-    lines, upstream_stale, upstream = [], False, None
+    lines, stale = [], set()
     for stage in config.STAGES:
-        reasons = stale_reasons(run_dir / stage, upstream, stage_files(run_dir, stage))
-        if upstream_stale and not reasons:
+        upstream = config.UPSTREAM.get(stage)
+        if stage == "rehearse" and not_required(run_dir):
+            lines.append(f"{stage:>10}: not run (no stage waits for it: the target's weights are "
+                         "under rehearse.min_target_gb, or rehearse.enabled=false)")
+            continue
+        reasons = stale_reasons(run_dir / stage, upstream and run_dir / upstream, stage_files(run_dir, stage))
+        if upstream in stale and not reasons:
             reasons = ["an upstream stage is stale"]
-        upstream_stale = upstream_stale or bool(reasons)
+        if reasons:
+            stale.add(stage)
         lines.append(f"{stage:>10}: " + ("STALE - " + "; ".join(reasons) if reasons else "up to date"))
-        upstream = run_dir / stage
     return lines
 
 
@@ -261,7 +332,7 @@ def accept(run_dir: Path, stage: str) -> list[str]:
     if recorded is None:
         raise ValueError(f"{manifest_path} has no dependency record to accept against: rerun the stage")
     now = _expected_deps(recorded, files)
-    upstream = run_dir / config.STAGES[config.STAGES.index(stage) - 1] if stage != config.STAGES[0] else None
+    upstream = run_dir / config.UPSTREAM[stage] if stage in config.UPSTREAM else None
     differences = deps.differences(recorded, now)
     other = [r for r in stale_reasons(stage_dir, upstream, files) if r not in differences]
     if other:
@@ -299,6 +370,11 @@ def build_cli():
         build_assets(exp, overrides or [], sys.argv[1:])
 
     @app.command()
+    def gate(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
+        """Print the Make targets that wait for EXP's rehearsal (none: no rehearsal needed)."""
+        typer.echo(" ".join(write_gate(exp, overrides or [], sys.argv[1:])))
+
+    @app.command()
     def show(run_dir: Path) -> None:
         """One line per stage of RUN_DIR: up to date, or STALE with every reason."""
         for line in show_status(run_dir):
@@ -317,6 +393,11 @@ def main() -> None:
     argv = sys.argv[1:]
     if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
         return  # nothing that feeds a stamp changed since the last compose
+    if len(argv) >= 2 and argv[0] == "gate" and _gate_cache(argv[1]).exists():
+        saved = json.loads(_gate_cache(argv[1]).read_text())
+        if saved["key"] == _cache_key(argv, saved["inputs"]):
+            print(" ".join(saved["targets"]))  # Make's parse asks every time: skip typer and Hydra
+            return
     from draftline.tiny import embedded
 
     try:

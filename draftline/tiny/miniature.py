@@ -1,0 +1,406 @@
+"""A miniature of a target model, built from its config.json and tokenizer alone.
+
+`make rehearse` (draftline.rehearse) runs the real run's engine code on it: the same
+``architectures``, ``model_type`` and config classes (a multimodal wrapper with its vision
+config included), the target's tokenizer and chat template, random weights, a few layers.
+No weight file of the target is opened, so a directory holding only config.json and the
+tokenizer files is enough.
+
+Layers. Aux id i captures the input of decoder layer i, which layer i - 1 produces. The
+miniature keeps, in their order, the first layer, the last one, and layers i - 1 and i of
+every aux id; the others go. An aux id becomes the position of its layer among the kept
+ones (``LayerPlan.aux_layer_ids``; ``LayerPlan.mapping`` maps every kept layer). Kept layers
+keep their kind: in the DeepseekV3 family (DeepseekV3, Kimi-K2, Kimi-K2.5's text model) a
+layer is dense below ``first_k_dense_replace`` and MoE from it on; the kept dense layers are a
+prefix of the kept ones, so the miniature's ``first_k_dense_replace`` is their count.
+
+Widths. Hidden 256 (Llama-like models: heads x head size), MLP 512, 8 routed experts (top 2,
+at most 2 expert groups), expert MLP 128, two query heads per tensor-parallel rank (GQA kept as
+one KV head per rank). Per-head sizes, MLA's LoRA ranks, rope (YaRN included), the vocabulary
+and the special tokens stay the target's: kernels are picked by them. On vLLM's CPU engine a
+head size outside ``CPU_HEAD_SIZES`` is replaced (REFERENCE: CPU attention supports only
+these); with MLA disabled the head size is ``qk_nope_head_dim + qk_rope_head_dim``.
+
+``quantization_config`` is kept only where this platform's vLLM runs it and this builder can
+write its weights (compressed-tensors INT4 ``pack-quantized`` groups, on CUDA; widths then
+multiples of 128 per rank, which the group size and Marlin's tiles divide); otherwise it is
+dropped and named in ``Miniature.dropped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+from draftline.pipeline.artifacts import atomic_dir
+from draftline.tiny import targets
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")  # built as transformers' DeepseekV3
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # transformers classes for these types
+WRAPPER_PREFIX = {"kimi_k25": targets.KIMI_K25_LANGUAGE_PREFIX}  # text weights under this prefix
+# Files that hold weights (or their index): never opened, never copied.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt",
+                   ".safetensors.index.json", ".bin.index.json")
+HIDDEN, MLP, EXPERT_MLP, EXPERTS, TOP_K, HEADS_PER_RANK = 256, 512, 128, 8, 2, 2
+QUANT_TILE = 128  # per-rank widths of a kept INT4 quantization (group 32 and Marlin tiles divide it)
+VISION = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+          "intermediate_size": 128, "init_pos_emb_height": 8, "init_pos_emb_width": 8}
+VISION_ALIASES = {"hidden_size": "vt_hidden_size", "num_attention_heads": "vt_num_attention_heads",
+                  "num_hidden_layers": "vt_num_hidden_layers", "intermediate_size": "vt_intermediate_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Which of the target's layers the miniature keeps, and the aux ids among them."""
+
+    num_layers: int                 # the target's
+    kept: tuple[int, ...]           # the target's layer indices, in order
+    kinds: tuple[str, ...]          # "dense" or "moe" of each kept layer (the target's kind)
+    target_aux_layer_ids: tuple[int, ...]
+    aux_layer_ids: tuple[int, ...]  # the same layers' indices in the miniature
+
+    @property
+    def mapping(self) -> dict[int, int]:
+        return {layer: index for index, layer in enumerate(self.kept)}
+
+    @property
+    def first_k_dense_replace(self) -> int:
+        dense = [kind == "dense" for kind in self.kinds]
+        return dense.index(False) if False in dense else len(dense)
+
+    def describe(self) -> str:
+        ids = ", ".join(f"{a}->{b}" for a, b in zip(self.target_aux_layer_ids, self.aux_layer_ids))
+        return (f"{len(self.kept)} of {self.num_layers} layers {list(self.kept)} (first, last, and "
+                f"i-1, i of each aux id i), aux ids {ids}")
+
+
+def layer_kinds(text: dict) -> list[str]:
+    """Each decoder layer's kind, as vLLM's and transformers' DeepseekV2/V3 decide it."""
+    num_layers = int(text["num_hidden_layers"])
+    if text.get("model_type") not in DEEPSEEK_TYPES or not text.get("n_routed_experts"):
+        return ["dense"] * num_layers
+    first_dense, every = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1))
+    return ["moe" if i >= first_dense and i % every == 0 else "dense" for i in range(num_layers)]
+
+
+def plan_layers(text: dict, aux_layer_ids: list[int]) -> LayerPlan:
+    num_layers = int(text["num_hidden_layers"])
+    bad = [i for i in aux_layer_ids if not 0 < int(i) < num_layers]
+    if bad or len(set(aux_layer_ids)) != len(aux_layer_ids):
+        raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} invalid for a {num_layers}-layer "
+                         f"target: need distinct ids in [1, {num_layers - 1}]")
+    kinds = layer_kinds(text)
+    kept = sorted({0, num_layers - 1, *(int(i) - 1 for i in aux_layer_ids), *map(int, aux_layer_ids)})
+    kept_kinds = [kinds[i] for i in kept]
+    if "moe" in kept_kinds and "dense" in kept_kinds[kept_kinds.index("moe"):]:
+        raise ValueError(f"moe_layer_freq {text.get('moe_layer_freq')}: dense layers between MoE "
+                         "layers cannot be kept by a first_k_dense_replace; no miniature for it")
+    mapping = {layer: index for index, layer in enumerate(kept)}
+    return LayerPlan(num_layers, tuple(kept), tuple(kept_kinds), tuple(map(int, aux_layer_ids)),
+                     tuple(mapping[int(i)] for i in aux_layer_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Miniature:
+    path: Path
+    architecture: str
+    model_type: str
+    layers: LayerPlan
+    shrunk: dict            # config key -> [target's value, miniature's]
+    dropped: list[dict]     # {"what", "reason"}: what the miniature does not have
+    quantization: dict | None  # the kept quantization_config, or None
+
+    def record(self) -> dict:
+        return {"path": str(self.path), "architecture": self.architecture,
+                "model_type": self.model_type, "layers": self.layers.describe(),
+                "kept_layers": list(self.layers.kept), "layer_kinds": list(self.layers.kinds),
+                "layer_mapping": {str(k): v for k, v in self.layers.mapping.items()},
+                "aux_layer_ids": list(self.layers.aux_layer_ids),
+                "target_aux_layer_ids": list(self.layers.target_aux_layer_ids),
+                "shrunk": self.shrunk, "dropped": self.dropped,
+                "quantization_kept": self.quantization is not None}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def quantization_plan(quant: dict | None, device: str) -> tuple[dict | None, dict | None]:
+    """(the quantization_config to keep, or None; what was dropped and why, or None)."""
+    if not quant:
+        return None, None
+    method = str(quant.get("quant_method"))
+    weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+    int4 = (method == "compressed-tensors" and quant.get("format") == "pack-quantized" and weights
+            and all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("strategy") == "group"
+                    for w in weights))
+    what = f"quantization_config ({method}, {quant.get('format', '')}" + (
+        f", INT4 groups of {weights[0].get('group_size')})" if int4 else ")")
+    if device != "cuda":
+        reason = ("INT4 MoE: no CPU kernel (vLLM 0.16 runs compressed-tensors INT4 experts with "
+                  "Marlin or Triton only); the miniature's weights are unquantized") if int4 else (
+                  f"{method}: not run by vLLM 0.16's CPU engine; the miniature's weights are unquantized")
+        return None, {"what": what, "reason": reason}
+    if not int4:
+        return None, {"what": what, "reason": f"the miniature builder writes no {method} weights "
+                                              "of this format; its weights are unquantized"}
+    return quant, None
+
+
+def _heads(text: dict, tensor_parallel_size: int) -> tuple[int, int]:
+    heads = int(text["num_attention_heads"])
+    kv = int(text.get("num_key_value_heads") or heads)
+    mini = HEADS_PER_RANK * tensor_parallel_size
+    return mini, (mini if kv == heads else tensor_parallel_size)
+
+
+def _cpu_head_size(size: int) -> int:
+    return size if size in CPU_HEAD_SIZES else 64
+
+
+def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_size: int,
+                mla_disable: bool, quantized: bool) -> tuple[dict, dict, list[dict]]:
+    """The miniature's text config (a copy of ``text`` with its sizes changed), the changes
+    ({key: [target's, miniature's]}), and what it drops."""
+    mini, dropped = dict(text), []
+    heads, kv_heads = _heads(text, tensor_parallel_size)
+    per_rank = QUANT_TILE if quantized else None
+    mini.update(num_hidden_layers=len(plan.kept), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=MLP * max(1, tensor_parallel_size))
+    model_type = text.get("model_type")
+    if model_type in DEEPSEEK_TYPES:
+        mini["hidden_size"] = HIDDEN
+        if text.get("n_routed_experts"):
+            groups = min(int(text.get("n_group") or 1), 2)
+            mini.update(first_k_dense_replace=plan.first_k_dense_replace, n_routed_experts=EXPERTS,
+                        num_experts_per_tok=min(int(text["num_experts_per_tok"]), TOP_K),
+                        n_group=groups, topk_group=min(int(text.get("topk_group") or 1), groups),
+                        moe_intermediate_size=(per_rank or EXPERT_MLP) * max(1, tensor_parallel_size))
+        if text.get("num_nextn_predict_layers"):
+            mini["num_nextn_predict_layers"] = 0
+            dropped.append({"what": f"multi-token-prediction layers ({text['num_nextn_predict_layers']})",
+                            "reason": "not used by extraction or EAGLE-3 serving; not built"})
+        size = int(text["qk_nope_head_dim"]) + int(text["qk_rope_head_dim"])
+        if device != "cuda" and mla_disable and size not in CPU_HEAD_SIZES:
+            mini.update(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+            dropped.append({"what": f"MLA head size {size}", "reason": "not a CPU attention head "
+                            "size; the miniature uses 64 + 32 (v 64)"})
+    else:
+        head = int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
+        if device != "cuda" and head not in CPU_HEAD_SIZES:
+            dropped.append({"what": f"head size {head}", "reason": "not a CPU attention head size; "
+                            f"the miniature uses {_cpu_head_size(head)}"})
+            head = _cpu_head_size(head)
+        mini.update(head_dim=head, hidden_size=heads * head)
+    if not quantized:
+        mini.pop("quantization_config", None)
+    changed = {key: [text.get(key), value] for key, value in sorted(mini.items()) if text.get(key) != value}
+    return mini, changed, dropped
+
+
+def shrink_vision(vision: dict, text_hidden: int) -> dict:
+    """A two-layer MoonViT: vLLM's own keys and the target's ``vt_*`` spelling of them."""
+    mini = dict(vision)
+    for key, value in VISION.items():
+        mini[key] = value
+        if VISION_ALIASES.get(key, "") in vision:
+            mini[VISION_ALIASES[key]] = value
+    # vLLM's KimiK25Config sets the projector's output width to the text width when
+    # mm_hidden_size equals the tower's width; the target's text_hidden_size says the same.
+    mini["mm_hidden_size"] = VISION["hidden_size"]
+    if "text_hidden_size" in vision:
+        mini["text_hidden_size"] = text_hidden
+    return mini
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _text_model(text: dict, seed: int):
+    """A random transformers model for the miniature's text config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    fields = {k: v for k, v in text.items() if k not in ("auto_map", "quantization_config",
+                                                          "architectures", "model_type")}
+    with targets._seeded(seed):
+        if text.get("model_type") in DEEPSEEK_TYPES:
+            model = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+            with torch.no_grad():  # the routing bias vLLM's noaux_tc loader expects, exercised
+                for layer in model.model.layers:
+                    gate = getattr(layer.mlp, "gate", None)
+                    if getattr(gate, "e_score_correction_bias", None) is not None:
+                        gate.e_score_correction_bias.copy_(
+                            torch.randn(gate.e_score_correction_bias.shape) * 0.02)
+        elif text.get("model_type") in DENSE_TYPES:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(text["model_type"], **fields))
+        else:
+            raise NotImplementedError(
+                f"no miniature builder for model_type {text.get('model_type')!r} (supported: "
+                f"{', '.join(DEEPSEEK_TYPES + DENSE_TYPES)}, and kimi_k25 around them)")
+    return model.eval()
+
+
+def _is_ignored(name: str, ignore: list[str]) -> bool:
+    module = name.removesuffix(".weight")
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], module):
+                return True
+        elif module == pattern or module.endswith("." + pattern):
+            return True
+    return False
+
+
+def quantize_int4(weight, group_size: int) -> dict:
+    """compressed-tensors ``pack-quantized`` tensors of one Linear weight [out, in]: symmetric
+    INT4 per group of ``group_size`` inputs, 8 values per int32."""
+    import torch
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import pack_to_int32
+
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"input width {in_features} is no multiple of the group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 7
+    values = (groups / scale).round().clamp(-8, 7).to(torch.int8).reshape(out_features, in_features)
+    return {"weight_packed": pack_to_int32(values, 4), "weight_scale": scale[..., 0].to(torch.bfloat16),
+            "weight_shape": torch.tensor([out_features, in_features], dtype=torch.int32)}
+
+
+def _state(model, prefix: str, dtype: str, quant: dict | None) -> dict:
+    """The checkpoint tensors: names as the target's checkpoint has them, in its dtype."""
+    import torch
+
+    linear = {f"{name}.weight" for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear)}
+    ignore = list((quant or {}).get("ignore") or [])
+    group = int(next(iter((quant or {}).get("config_groups", {}).values()), {}).get("weights", {})
+                .get("group_size") or 0) if quant else 0
+    state = {}
+    for name, tensor in model.state_dict().items():
+        full = prefix + name
+        if quant and name in linear and not _is_ignored(full, ignore):
+            stem = full.removesuffix(".weight")
+            state.update({f"{stem}.{k}": v for k, v in quantize_int4(tensor, group).items()})
+        else:
+            state[full] = tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
+    return state
+
+
+def _checkpoint_dtype(config: dict) -> str:
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _copy_tokenizer_files(target_dir: Path, out_dir: Path) -> list[str]:
+    """Every top-level file but config.json and weights: tokenizer, chat template, generation
+    config, processor configs, Python the directory ships."""
+    copied = []
+    for path in sorted(Path(target_dir).iterdir()):
+        name = path.name
+        if (not path.is_file() or name.startswith(".") or name == "config.json"
+                or name.endswith(WEIGHT_SUFFIXES)):
+            continue
+        shutil.copy2(path, out_dir / name)
+        copied.append(name)
+    return copied
+
+
+# --------------------------------------------------------------------------- builder
+
+
+def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: list[int], *,
+                    device: str = "cpu", tensor_parallel_size: int = 1, mla_disable: bool = False,
+                    seed: int = 0) -> Miniature:
+    """Write the miniature of ``target_dir`` to ``out_dir`` (atomically); see the module doc.
+
+    ``device`` is the platform the rehearsal runs on ("cpu" or "cuda"), ``tensor_parallel_size``
+    the TP it will run with (heads and widths divide by it), ``mla_disable`` whether MLA is off.
+    """
+    from safetensors.torch import save_file
+
+    target_dir = Path(target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    plan = plan_layers(text, list(aux_layer_ids))
+    quant, quant_dropped = quantization_plan(config.get("quantization_config") or text.get("quantization_config"),
+                                             device)
+    mini_text, shrunk, dropped = shrink_text(text, plan, device=device,
+                                             tensor_parallel_size=tensor_parallel_size,
+                                             mla_disable=mla_disable, quantized=quant is not None)
+    dropped = ([quant_dropped] if quant_dropped else []) + dropped
+    mini = dict(config)
+    if "text_config" in config:
+        mini["text_config"] = mini_text
+        if quant is None:
+            mini.pop("quantization_config", None)
+        if "vision_config" in config:
+            mini["vision_config"] = shrink_vision(config["vision_config"], mini_text["hidden_size"])
+    else:
+        mini = mini_text
+    dtype = _checkpoint_dtype(config)
+    model_type = str(config.get("model_type"))
+    with atomic_dir(out_dir) as tmp:
+        _copy_tokenizer_files(target_dir, tmp)
+        (tmp / "config.json").write_text(json.dumps(mini, indent=2, sort_keys=True) + "\n")
+        state = _state(_text_model(mini_text, seed), WRAPPER_PREFIX.get(model_type, ""), dtype, quant)
+        if model_type == "kimi_k25":
+            state.update(_kimi_vision(mini, seed, dtype))
+            if not (tmp / "preprocessor_config.json").exists():
+                (tmp / "preprocessor_config.json").write_text(
+                    json.dumps(targets.KIMI_K25_PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
+        save_file(dict(sorted(state.items())), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Miniature(Path(out_dir).absolute(), (config.get("architectures") or ["unknown"])[0],
+                     model_type, plan, shrunk, dropped, quant)
+
+
+def _kimi_vision(config: dict, seed: int, dtype: str) -> dict:
+    """MoonViT tower and projector weights in vLLM's config classes' shapes (draftline.tiny.targets)."""
+    import torch
+    from vllm.transformers_utils.configs.kimi_k25 import KimiK25Config  # config class only
+
+    parsed = KimiK25Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    weights = targets._kimi_k25_vision_weights(parsed.vision_config, parsed.text_config.hidden_size, seed)
+    return {name: tensor.to(getattr(torch, dtype)) for name, tensor in weights.items()}
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def load_reference(model_dir: str | Path):
+    """The miniature's text model in transformers (float32, eager), or None with the reason."""
+    import torch
+    from safetensors import safe_open
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)
+    if (config.get("quantization_config") or text.get("quantization_config")):
+        return None, "quantized miniature: transformers' reference would need its INT4 kernels"
+    model_type = config.get("model_type")
+    if model_type == "kimi_k25":
+        return targets.load_hf_kimi_k25_language_model(model_dir), None
+    if model_type in DEEPSEEK_TYPES:
+        model = _text_model(text, 0).to(torch.float32)
+        with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as weights:
+            model.load_state_dict({n: weights.get_tensor(n).float() for n in weights.keys()}, strict=True)
+        model.config._attn_implementation = "eager"
+        return model.eval(), None
+    if model_type in DENSE_TYPES:
+        return targets.load_hf_model(model_dir), None
+    return None, f"transformers has no {model_type} class without remote code"
+
+
+def reference_hidden_states(model, token_ids: list[int]) -> list:
+    """transformers' hidden states of one sequence: entry k < L the input of layer k, entry L
+    the final state after the norm (draftline.tiny.targets.hf_hidden_states), each [T, H]
+    float32; the decoder stack alone, so no [T, vocab] logits are made."""
+    import torch
+
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return [h[0].float() for h in out.hidden_states]

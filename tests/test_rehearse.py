@@ -1,0 +1,344 @@
+"""`make rehearse`: the miniature, the rehearsal gate, and the rehearsal on the real vLLM CPU engine.
+
+Fast tier: which layers a miniature keeps and of which kind, what it drops on CPU, INT4 widths,
+the gate that makes the loading stages wait. vLLM tier (each run is `python -m stages.tokenize`
+then `python -m stages.rehearse` in its own run dir, on 8 of the embedded conversations): the
+rehearsal of the tiny Llama, DeepseekV3 and Kimi-K2.5 targets and of the Kimi-K2.5-shaped
+directory in tests/assets/ (slow), and the seed's failure, injected through
+tests/assets/broken_capture/sitecustomize.py, caught within seconds of the engine's start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose
+from draftline.rehearse import scope
+from draftline.tiny import miniature
+
+REPO = Path(__file__).resolve().parents[1]
+KIMI_SHAPED = REPO / "tests/assets/kimi-k2.5-shaped"
+BROKEN_CAPTURE = REPO / "tests/assets/broken_capture"
+KIMI_AUX_IDS = [2, 30, 58]  # conf/model/kimi-k2.5.yaml
+
+
+def kimi_text() -> dict:
+    return json.loads((KIMI_SHAPED / "config.json").read_text())["text_config"]
+
+
+# --------------------------------------------------------------------------- the miniature
+
+
+def test_kimi_miniature_keeps_the_layers_around_each_aux_id_and_remaps_the_ids():
+    plan = miniature.plan_layers(kimi_text(), KIMI_AUX_IDS)
+    assert plan.kept == (0, 1, 2, 29, 30, 57, 58, 60)
+    assert plan.aux_layer_ids == (2, 4, 6)
+    # The input of aux layer i is the output of layer i - 1: both are kept, adjacent.
+    for old, new in zip(KIMI_AUX_IDS, plan.aux_layer_ids):
+        assert plan.mapping[old] == new and plan.mapping[old - 1] == new - 1
+
+
+# Kimi-K2.5: 1; DeepSeek-V3: 3; 10: more dense layers than the miniature keeps below aux id 30
+@pytest.mark.parametrize("first_dense", [1, 3, 10])
+def test_each_kept_layer_keeps_its_real_kind(first_dense):
+    text = {**kimi_text(), "first_k_dense_replace": first_dense}
+    plan = miniature.plan_layers(text, KIMI_AUX_IDS)
+    kinds = miniature.layer_kinds(text)
+    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                       mla_disable=True, quantized=False)
+    assert plan.kinds == tuple(kinds[i] for i in plan.kept)
+    assert miniature.layer_kinds(mini) == list(plan.kinds)
+    assert plan.kinds.count("dense") == mini["first_k_dense_replace"] == min(first_dense, 3)
+
+
+def test_dense_layers_between_moe_layers_are_refused():
+    with pytest.raises(ValueError, match="moe_layer_freq 2"):
+        miniature.plan_layers({**kimi_text(), "moe_layer_freq": 2}, KIMI_AUX_IDS)
+
+
+def test_on_cpu_int4_is_dropped_and_named():
+    quant = kimi_text()["quantization_config"]
+    kept, dropped = miniature.quantization_plan(quant, "cpu")
+    assert kept is None and dropped["reason"].startswith("INT4 MoE: no CPU kernel")
+    assert "INT4 groups of 32" in dropped["what"]
+    kept, dropped = miniature.quantization_plan(quant, "cuda")
+    assert kept == quant and dropped is None
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 8])
+def test_kept_int4_widths_respect_its_group_and_tiles(tensor_parallel_size):
+    import torch
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
+
+    text = kimi_text()
+    plan = miniature.plan_layers(text, KIMI_AUX_IDS)
+    mini, _, _ = miniature.shrink_text(text, plan, device="cuda", tensor_parallel_size=tensor_parallel_size,
+                                       mla_disable=False, quantized=True)
+    group = text["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    per_rank = mini["moe_intermediate_size"] // tensor_parallel_size
+    assert per_rank % miniature.QUANT_TILE == 0 and mini["hidden_size"] % miniature.QUANT_TILE == 0
+    assert miniature.QUANT_TILE % group == 0
+    assert mini["quantization_config"] == text["quantization_config"]
+    weight = torch.randn(mini["moe_intermediate_size"], mini["hidden_size"])  # gate_proj [out, in]
+    packed = miniature.quantize_int4(weight, group)
+    assert packed["weight_packed"].shape == (weight.shape[0], weight.shape[1] // 8)
+    assert packed["weight_scale"].shape == (weight.shape[0], weight.shape[1] // group)
+    values = unpack_from_int32(packed["weight_packed"], 4, torch.Size(weight.shape))
+    restored = values.float().reshape(weight.shape[0], -1, group) * packed["weight_scale"].float()[..., None]
+    assert (restored.reshape(weight.shape) - weight).abs().max() <= weight.abs().max() / 7
+
+
+def test_cpu_head_sizes_are_kept_or_replaced():
+    plan = miniature.plan_layers(kimi_text(), KIMI_AUX_IDS)
+    mini, _, dropped = miniature.shrink_text(kimi_text(), plan, device="cpu", tensor_parallel_size=1,
+                                             mla_disable=True, quantized=False)
+    assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] == 192 and not dropped  # 192: a CPU size
+    odd = {**kimi_text(), "qk_nope_head_dim": 120}
+    mini, _, dropped = miniature.shrink_text(odd, plan, device="cpu", tensor_parallel_size=1,
+                                             mla_disable=True, quantized=False)
+    assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] in miniature.CPU_HEAD_SIZES
+    assert dropped[0]["what"] == "MLA head size 184"
+
+
+# --------------------------------------------------------------------------- the cost
+
+
+class _RandomGenerator:
+    """speculators' generator's contract without vLLM: one [T, H] tensor per slot per prompt."""
+
+    def __init__(self, num_slots: int, hidden: int):
+        self.num_slots, self.hidden = num_slots, hidden
+
+    def generate(self, prompts):
+        import torch
+
+        return [{"input_ids": torch.tensor(p), "hidden_states": [torch.randn(len(p), self.hidden)
+                                                                 for _ in range(self.num_slots)]}
+                for p in prompts]
+
+
+@pytest.mark.parametrize("save_dtype", ["bfloat16", "float32"])
+def test_the_cost_is_within_1pct_of_the_shards_extracts_code_writes(tmp_path, save_dtype):
+    """extract's shard writer (draftline.extract.shards, with a generator standing in for vLLM)
+    against the estimate from the token count (tests/test_pipeline.py: a real `make extract`)."""
+    import torch
+
+    from draftline import formats
+    from draftline.extract import shards
+    from draftline.pipeline.progress import TOKENS, Progress
+    from draftline.rehearse import cost
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 600, (60,), generator=generator).tolist()
+    samples = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
+    masks = [[1] * n for n in lengths]
+    plans = shards.plan_shards(lengths, 8192)
+    shards.extract_shards(_RandomGenerator(4, 256), plans, samples, masks, tmp_path, 4096, save_dtype,
+                          formats.shard_metadata("x", [2, 3, 4], 256), Progress("t", sum(lengths), unit=TOKENS, quiet=True))
+    written = sum((tmp_path / p.name).stat().st_size for p in plans)
+    estimate = cost.estimate(sum(lengths), len(lengths), num_slots=4, hidden_size=256,
+                             save_dtype=save_dtype, shard_dir=tmp_path, headroom=1.1,
+                             tokens_per_second=1000.0, throughput_from="test")
+    assert abs(estimate.total_bytes - written) <= 0.01 * written, (estimate.total_bytes, written)
+    assert estimate.present_bytes == written and estimate.needed_bytes == 0 and estimate.fits
+    assert estimate.seconds == pytest.approx(sum(lengths) / 1000.0)
+
+
+def test_the_cost_lines_name_bytes_disk_and_time():
+    from draftline.rehearse import cost
+
+    estimate = cost.Cost(20_000 * 8_192, 1000, 57_353, 20_000 * 8_192 * 57_353, Path("runs/x/extract"),
+                         0, int(20_000 * 8_192 * 57_353 * 1.1), 10**12, 30_000.0, "configured",
+                         None, False)
+    lines = estimate.lines()
+    assert lines[0].startswith("extract writes 9.40 TB: 163,840,000 tokens x 57,353 B/token")
+    assert lines[1].endswith(": DOES NOT FIT") and not estimate.fits
+    assert lines[2] == "time: about 1 h 31 min at 30,000 tokens/s (configured)"
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+def _big_target(tmp_path: Path, gigabytes: float) -> Path:
+    """The Kimi-shaped directory with a sparse weight file of the given size (no disk used)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    for path in KIMI_SHAPED.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    with open(target / "model-00001-of-00001.safetensors", "wb") as weights:
+        weights.truncate(int(gigabytes * 1e9))
+    return target
+
+
+def test_loading_stages_wait_for_the_rehearsal_only_for_a_big_target(tmp_path):
+    from draftline.pipeline import status
+
+    data = tmp_path / "chats.jsonl"
+    big, run = _big_target(tmp_path, 5), tmp_path / "run"
+    base = ("kimi-k2.5", f"model.path={big}", f"data.path={data}", f"run_dir={run}")
+    assert status.rehearsed_targets(compose(*base)) == [
+        f"{run}/evaluate/manifest.json", f"{run}/extract/manifest.json", "extract-slice", "serve"]
+    assert status.rehearsed_targets(compose(*base, "rehearse.min_target_gb=6")) == []
+    assert status.rehearsed_targets(compose(*base, "rehearse.enabled=false")) == []
+    with_replies = status.rehearsed_targets(compose(*base, "regenerate.replies=target",
+                                                    "evaluate.vllm.enabled=false"))
+    assert with_replies == [f"{run}/extract/manifest.json", f"{run}/regenerate/manifest.json",
+                            "extract-slice", "serve"]
+    small = ("kimi-k2.5", f"model.path={KIMI_SHAPED}", f"data.path={data}", f"run_dir={run}")
+    assert status.rehearsed_targets(compose(*small)) == []  # no weights at all
+    assert status.rehearsed_targets(compose(*small, "rehearse.enabled=true")) != []
+    with pytest.raises(ValueError, match="rehearse.enabled='sometimes'"):
+        status.rehearsed_targets(compose(*small, "rehearse.enabled=sometimes"))
+
+
+def test_a_tp_larger_than_the_machine_is_capped_and_listed():
+    cfg = compose("kimi-k2.5", f"model.path={KIMI_SHAPED}", "data.path=x")
+    plan = scope.decide(cfg, on_gpu=False, available=2, half_precision=False)
+    assert plan.tensor_parallel_size == 2 and plan.mla_disable
+    whats = {item["what"]: item["reason"] for item in plan.not_rehearsed}
+    assert whats["tensor_parallel_size=8"].startswith("capped to 2: this machine has 2 CPU cores")
+    assert whats["MLA attention"].startswith("MLA: no CPU backend")
+    assert "NCCL" in whats and "CUDA graphs and torch.compile" in whats and "the vision tower" in whats
+    assert plan.dtype == "float32" and whats["bfloat16 activations"].endswith("rehearsed in float32")
+    assert scope.decide(cfg, on_gpu=False, available=2, half_precision=True).dtype == "bfloat16"
+    on_gpu = scope.decide(cfg, on_gpu=True, available=8, half_precision=False)
+    assert on_gpu.tensor_parallel_size == 8 and not on_gpu.mla_disable and on_gpu.dtype == "bfloat16"
+    assert not {"MLA attention", "NCCL", "tensor_parallel_size=8"} & {i["what"] for i in on_gpu.not_rehearsed}
+
+
+# --------------------------------------------------------------------------- on the vLLM CPU engine
+
+
+def _stage(stage: str, exp: str, run_dir: Path, *overrides: str, env: dict | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", f"stages.{stage}", f"experiment={exp}", f"run_dir={run_dir}",
+               "data.max_samples=8", *overrides]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+    if check:
+        assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    return result
+
+
+def _tokenized(tmp_path: Path, exp: str, *overrides: str) -> Path:
+    """The run dir with tokenize done (the project's assets built first, as Make's assets step)."""
+    from draftline.pipeline import status
+
+    run_dir = tmp_path / "run"
+    status.ensure_assets(compose(exp, *overrides))
+    _stage("tokenize", exp, run_dir, *overrides)
+    return run_dir
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "rehearse" / "manifest.json").read_text())
+
+
+def _check_rehearsal(run_dir: Path, output: str) -> dict:
+    manifest = _manifest(run_dir)
+    names = [c["name"] for c in manifest["checks"]]
+    assert names == ["cost", "miniature", "extraction vs HF", "speculative decoding", "vllm serve"]
+    assert all(c["passed"] for c in manifest["checks"])
+    for name in names:  # each printed with PASS and its seconds
+        assert re.search(rf"PASS  {re.escape(name)} +\d+\.\d s", output), name
+    extraction = manifest["results"]["extraction"]
+    assert extraction["compared_with_transformers"] is True
+    # The cost formula on the rehearsal's own shards: within 1% of what extract wrote.
+    assert abs(extraction["estimated_bytes"] - extraction["shard_bytes"]) <= 0.01 * extraction["shard_bytes"]
+    return manifest
+
+
+def _kinds_in_transformers(mini_path: str) -> list[str]:
+    model, _ = miniature.load_reference(mini_path)
+    return ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("exp", ["tiny", "tiny-deepseek", "tiny-kimi"])
+def test_the_tiny_targets_rehearse(tmp_path, exp):
+    run_dir = _tokenized(tmp_path, exp)
+    start = time.monotonic()
+    result = _stage("rehearse", exp, run_dir)
+    seconds = time.monotonic() - start
+    print(f"\n{exp}: rehearsal {seconds:.0f} s")
+    manifest = _check_rehearsal(run_dir, result.stdout + result.stderr)
+    mini = manifest["miniature"]
+    assert _kinds_in_transformers(mini["path"]) == mini["layer_kinds"]
+    if exp == "tiny-kimi":
+        assert seconds < 300, f"the tiny-kimi rehearsal took {seconds:.0f} s (goal: 5 minutes on 2 cores)"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path):
+    from draftline.pipeline import status
+
+    embedded = compose("tiny")
+    status.ensure_assets(embedded)  # the embedded conversations, as a user's data file
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(Path(embedded.data.path).read_bytes())
+    overrides = (f"model.path={KIMI_SHAPED}", f"data.path={data}", "tokenize.seq_length=512",
+                 "extract.max_model_len=1024")
+    run_dir = _tokenized(tmp_path, "kimi-k2.5", *overrides)
+    result = _stage("rehearse", "kimi-k2.5", run_dir, *overrides)
+    output = result.stdout + result.stderr
+    manifest = _check_rehearsal(run_dir, output)
+    reasons = {item["what"]: item["reason"] for item in manifest["not_rehearsed"]}
+    assert reasons["quantization_config (compressed-tensors, pack-quantized, INT4 groups of 32)"].startswith(
+        "INT4 MoE: no CPU kernel")
+    assert reasons["MLA attention"].startswith("MLA: no CPU backend")
+    assert "not rehearsed: MLA attention: MLA: no CPU backend" in output
+    mini = manifest["miniature"]
+    assert mini["architecture"] == "KimiK25ForConditionalGeneration" and mini["model_type"] == "kimi_k25"
+    assert mini["kept_layers"] == [0, 1, 2, 29, 30, 57, 58, 60] and mini["aux_layer_ids"] == [2, 4, 6]
+    assert _kinds_in_transformers(mini["path"]) == ["dense"] + ["moe"] * 7
+
+
+@pytest.mark.vllm
+def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_call(tmp_path):
+    run_dir = _tokenized(tmp_path, "tiny")
+    result = _stage("rehearse", "tiny", run_dir, check=False,
+                    env={"PYTHONPATH": os.pathsep.join([str(BROKEN_CAPTURE), os.environ.get("PYTHONPATH", "")])})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "FAIL  extraction vs HF" in output
+    failed = re.search(r"extraction failed (\d+\.\d) s after its engine started", output)
+    assert failed, output[-6000:]
+    print(f"\nfailed {failed[1]} s after the extraction engine started")
+    assert float(failed[1]) < 30
+    assert "broken_capture_call" in output and "arguments swapped" in output
+    assert not (run_dir / "rehearse" / "manifest.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp_path):
+    """`make selftest` on a user's GPU host (CUDA vLLM): the miniature keeps the INT4 experts
+    (compressed-tensors, Marlin) and MLA, compiled with CUDA graphs, TP up to the GPUs there."""
+    from draftline import engine
+    from draftline.pipeline import status
+
+    if not engine.cuda_available():
+        pytest.skip("needs a CUDA GPU")
+    embedded = compose("tiny")
+    status.ensure_assets(embedded)
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(Path(embedded.data.path).read_bytes())
+    overrides = (f"model.path={KIMI_SHAPED}", f"data.path={data}", "tokenize.seq_length=512",
+                 "extract.max_model_len=1024")
+    run_dir = _tokenized(tmp_path, "kimi-k2.5", *overrides)
+    result = _stage("rehearse", "kimi-k2.5", run_dir, *overrides)
+    manifest = _manifest(run_dir)
+    assert all(c["passed"] for c in manifest["checks"]), result.stderr[-4000:]
+    assert manifest["miniature"]["quantization_kept"] is True
+    whats = {item["what"] for item in manifest["not_rehearsed"]}
+    assert not any(w.startswith(("quantization_config", "MLA")) for w in whats), whats
