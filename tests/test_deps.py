@@ -69,12 +69,12 @@ def test_deps_stamp_is_newer_only_on_a_real_difference_and_accept_records_it(tmp
     status.sync_deps_stamp(stage_dir, [])
     stamp = stage_dir / status.DEPS_STAMP
     assert stamp.stat().st_mtime_ns <= manifest.stat().st_mtime_ns  # Make: up to date
-    assert status.show_status(run)[3].endswith("prepare: up to date")
+    assert status.show_status(run)[4].endswith("prepare: up to date")
 
     watched.write_text('{"changed": true}\n')
     assert status.sync_deps_stamp(stage_dir, [])
     assert stamp.stat().st_mtime_ns > manifest.stat().st_mtime_ns  # Make: rerun
-    assert f"STALE - files {watched} changed" in status.show_status(run)[3]
+    assert f"STALE - files {watched} changed" in status.show_status(run)[4]
 
     built = manifest.stat().st_mtime_ns
     assert status.accept(run, "prepare") == [f"files {watched} changed"]
@@ -83,7 +83,7 @@ def test_deps_stamp_is_newer_only_on_a_real_difference_and_accept_records_it(tmp
     assert record["accepted"][0]["by"] and record["accepted"][0]["at"]
     assert manifest.stat().st_mtime_ns == built  # downstream stages stay up to date
     assert stamp.stat().st_mtime_ns <= built
-    assert status.show_status(run)[3].endswith("prepare: up to date")
+    assert status.show_status(run)[4].endswith("prepare: up to date")
     with pytest.raises(ValueError, match="nothing to accept"):
         status.accept(run, "prepare")
 
@@ -92,11 +92,11 @@ def test_config_changes_are_named_and_cannot_be_accepted(tmp_path):
     run, watched = _stage_run(tmp_path)
     artifacts.write_json(run / "prepare" / artifacts.STAMP, {"k": 2})
     watched.write_text("[]\n")
-    assert "config k: 1 -> 2" in status.show_status(run)[3]
+    assert "config k: 1 -> 2" in status.show_status(run)[4]
     with pytest.raises(ValueError, match="rerun the stage for: config k: 1 -> 2"):
         status.accept(run, "prepare")
     os.utime(run / "extract" / artifacts.MANIFEST)  # newer upstream outputs: named too
-    assert "extract's outputs are newer" in status.show_status(run)[3]
+    assert "extract's outputs are newer" in status.show_status(run)[4]
 
 
 def test_a_resumed_run_keeps_what_the_run_it_resumed_imported():
