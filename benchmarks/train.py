@@ -6,6 +6,7 @@
         --tokens-per-step 512 --steps 3 --warmup 1 --compare-precision     # CPU smoke run
     python -m benchmarks.train --results one.json                 # plain, one GPU: the baseline
     python -m benchmarks.train --gpus 2 --baseline one.json       # DDP on 2 GPUs, with the ratio
+    python -m benchmarks.train --save-dtype float8_e4m3fn         # fp8 shards (issue 24)
 
 For each precision, the same training step (``draftline.train.loop.Session.step``: speculators'
 forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
@@ -29,6 +30,11 @@ network.
 ``--optimizer`` picks AdamW's kernel (``auto``: fused where torch has it, as training does;
 ``unfused``: torch's default, ``foreach`` on CUDA, as speculators' Trainer runs it); the header
 line and ``--results`` name the one that ran.
+
+``--save-dtype float8_e4m3fn`` writes the shards as extract does with that dtype (fp8 values,
+a float32 scale per token and slot); the loader moves those bytes and dequantizes on the
+device, and the resident batches are held the same way and dequantized every step.  The
+loader's GB/s counts the bytes the shards store per position, whatever the dtype.
 
 Printed per run: tokens/s (real tokens, padding excluded), median step time (ms), peak
 memory (GiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU),
@@ -108,7 +114,9 @@ from draftline import formats
 from draftline.pipeline import launch
 from draftline.train.loader import (
     HIDDEN_KEYS,
+    SCALE_KEYS,
     PackedLoader,
+    dequantize_batch,
     ShardSampleDataset,
     make_sampler,
     plan_steps,
@@ -164,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--disk-tokens", type=int, default=None,
         help="tokens in the synthetic shards (default (warmup + steps) x tokens-per-step)")
     add("--shard-tokens", type=int, default=65536, help="tokens per shard file")
+    add("--save-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
+        help="hidden states in the shards (extract.save_dtype); fp8 is dequantized on the "
+             "device, in the resident batches too")
     add("--loader-threads", type=int, default=None, help="packing threads (default: auto)")
     add("--prefetch", type=int, default=None, help="batches packed ahead (default: auto)")
     add("--workdir", default=None, help="where shards and the verifier go (default: a temp "
@@ -286,8 +297,30 @@ def resident_batches(dims: Dims, tokens: int, mean: int, device: str, count: int
     return [{k: v.to(device) for k, v in b.items()} for b in batches]
 
 
+def as_stored(batch: dict[str, torch.Tensor], save_dtype: str) -> dict[str, torch.Tensor]:
+    """A resident batch as the loader hands fp8 shards to the device: values and scales
+    (SCALE_KEYS), for ``dequantized`` to undo each step. bf16: the batch itself."""
+    if not formats.is_quantized(save_dtype):
+        return batch
+    out = dict(batch)
+    aux, hidden = NUM_AUX, batch["verifier_last_hidden_states"].shape[-1]
+    states = batch["hidden_states"].view(*batch["hidden_states"].shape[:2], aux, hidden)
+    values, scales = formats.quantize_fp8(states)
+    out["hidden_states"], out[SCALE_KEYS[0]] = values.view(batch["hidden_states"].shape), scales
+    out["verifier_last_hidden_states"], out[SCALE_KEYS[1]] = formats.quantize_fp8(
+        batch["verifier_last_hidden_states"])
+    return out
+
+
+def dequantized(batches: Iterable[dict], dtype: torch.dtype) -> Iterable[dict]:
+    """Resident fp8 batches dequantized on the device each step, as PackedLoader does."""
+    for batch in batches:
+        yield dequantize_batch(batch, dtype) if SCALE_KEYS[0] in batch else batch
+
+
 def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, mean: int,
-                 generator: torch.Generator) -> tuple[list[Path], Path]:
+                 generator: torch.Generator, save_dtype: str = "bfloat16"
+                 ) -> tuple[list[Path], Path]:
     """Shards in the extract stage's format plus a split index with every sample in train."""
     root.mkdir(parents=True, exist_ok=True)
     lengths = sample_lengths(total_tokens, mean, generator)
@@ -299,7 +332,7 @@ def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, m
             count += 1
         shard_lengths = lengths[first:first + count]
         path = root / f"shard-{len(paths):05d}.safetensors"
-        save_file(_shard_tensors(dims, shard_lengths, first, generator), str(path))
+        save_file(_shard_tensors(dims, shard_lengths, first, generator, save_dtype), str(path))
         rows += [(len(paths), row, n) for row, n in enumerate(shard_lengths)]
         paths.append(path)
         first += count
@@ -309,22 +342,22 @@ def write_shards(root: Path, dims: Dims, total_tokens: int, shard_tokens: int, m
     return paths, index
 
 
-def _shard_tensors(dims: Dims, lengths: list[int], first_id: int,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+def _shard_tensors(dims: Dims, lengths: list[int], first_id: int, generator: torch.Generator,
+                   save_dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
     """Random samples packed as the extract stage packs them (every token in the loss)."""
     tokens = sum(lengths)
     hidden = random_bf16((tokens, SLOTS, dims.hidden), generator)  # [tokens, slots, H]
     ids = torch.randint(0, dims.vocab, (tokens,), generator=generator)  # [tokens]
     mask = torch.ones(tokens, dtype=torch.uint8)  # [tokens]
     sample_ids = range(first_id, first_id + len(lengths))
-    results, masks, start = {}, {}, 0
+    results, masks, start = {}, {}, 0  # fp8 (--save-dtype): quantized by pack_shard
     for sample_id, length in zip(sample_ids, lengths):
         span = slice(start, start + length)
         # What the hidden-state generator returns per sample: one [T, H] tensor per slot.
         results[sample_id] = {"hidden_states": list(hidden[span].unbind(1)), "input_ids": ids[span]}
         masks[sample_id] = mask[span]
         start += length
-    return formats.pack_shard(tuple(sample_ids), results, masks, "bfloat16")
+    return formats.pack_shard(tuple(sample_ids), results, masks, save_dtype)
 
 
 def drop_page_cache(paths: Iterable[Path]) -> None:
@@ -444,8 +477,12 @@ def timed_steps(name: str, session: Session, batches: Iterable[dict], dims: Dims
     return result
 
 
-def loader_alone(loader: PackedLoader, device: str) -> tuple[float, float]:
+def loader_alone(loader: PackedLoader, device: str,
+                 stored_bytes: int | None = None) -> tuple[float, float]:
     """(GB/s of hidden states delivered, tokens/s) with no model running.
+
+    ``stored_bytes``: bytes per delivered position as the shards store them (fp8 values and
+    scales; the delivered tensors are dequantized); None counts the delivered tensors.
 
     Timed from the first batch's arrival: buffer pinning and thread start happen once per
     run (in training, during the first step), not per batch.
@@ -455,8 +492,8 @@ def loader_alone(loader: PackedLoader, device: str) -> tuple[float, float]:
     synchronize(device)
     nbytes, tokens, start = 0, 0, time.perf_counter()
     for batch in batches:
-        nbytes += sum(batch[k].numel() * batch[k].element_size()
-                      for k in HIDDEN_KEYS)
+        nbytes += (sum(batch[k].numel() * batch[k].element_size() for k in HIDDEN_KEYS)
+                   if stored_bytes is None else batch["input_ids"].numel() * stored_bytes)
         tokens += int(batch["lengths"].sum())
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -513,8 +550,10 @@ def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: 
     tokens = rank_tokens(args, world)
     mean = args.sample_len or max(2, tokens // 8)
     generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * world.rank)
-    resident = resident_batches(dims, tokens, mean, device, 2, generator)
-    cycle = (resident[i % len(resident)] for i in range(args.warmup + args.steps))
+    resident = [as_stored(b, args.save_dtype)
+                for b in resident_batches(dims, tokens, mean, device, 2, generator)]
+    cycle = dequantized((resident[i % len(resident)] for i in range(args.warmup + args.steps)),
+                        session.precision.input_dtype)
     results = [timed_steps(f"{name} resident", session, cycle, dims, args.warmup, args.steps)]
     del resident, cycle
     if world.is_main:
@@ -541,9 +580,10 @@ def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world: l
     mean = args.sample_len or max(2, per_rank // 8)
     start = time.perf_counter()
     shards, _ = write_shards(workdir / "shards", dims, tokens, args.shard_tokens, mean,
-                             generator)
+                             generator, args.save_dtype)
     size = sum(p.stat().st_size for p in shards)
-    print(f"shards: {len(shards)} files, {tokens:,} tokens, {size / 1e9:.2f} GB written in "
+    print(f"shards ({args.save_dtype}): {len(shards)} files, {tokens:,} tokens, "
+          f"{size / 1e9:.2f} GB ({size / tokens:,.1f} bytes/token on disk) written in "
           f"{time.perf_counter() - start:.1f} s to {workdir}", flush=True)
 
 
@@ -563,10 +603,11 @@ def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
     batches = [batch for _, batch in plan_steps(sampler, 0, args.warmup + args.steps)]
     loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,
                           args.loader_threads, args.prefetch)
+    stored = SLOTS * formats.stored_bytes_per_slot(args.save_dtype, dataset.hidden_size)
     for cache in ("cold", "warm"):  # warm: the cold pass left the shards in memory
         if cache == "cold":
             drop_page_cache(inputs.shards)
-        rate, tokens = loader_alone(loader, device)
+        rate, tokens = loader_alone(loader, device, stored)
         print(f"loader alone ({cache} cache, to {device}, {loader.threads} threads, prefetch "
               f"{loader.prefetch}): {rate:.2f} GB/s of hidden states, {tokens:,.0f} tok/s",
               flush=True)
@@ -643,7 +684,8 @@ def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: st
     say(f"device {device}  processes {world.world_size} ({'DDP' if ddp else 'plain'})  "
         f"dims {dataclasses.asdict(dims)}  tokens/step per rank {rank_tokens(args, world)}  "
         f"warmup {args.warmup}  steps {args.steps}  compile {args.compile}  AdamW "
-        f"{optimizer_implementation(device, fused_optimizer(args))}  torch "
+        f"{optimizer_implementation(device, fused_optimizer(args))}  shards "
+        f"{args.save_dtype}  torch "
         f"{torch.__version__}", flush=True)
     say(f"FLOPs per position (no attention): {step_flops(dims, 1, []) / 1e9:.3f} GFLOP",
         flush=True)
@@ -684,7 +726,7 @@ def report(args: argparse.Namespace, dims: Dims, device: str, world: launch.Worl
         "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
         "torch": torch.__version__, "dims": dataclasses.asdict(dims),
         "tokens_per_step_per_rank": rank_tokens(args, world), "warmup": args.warmup,
-        "steps": args.steps, "compile": args.compile,
+        "steps": args.steps, "compile": args.compile, "save_dtype": args.save_dtype,
         "optimizer": optimizer_implementation(device, fused_optimizer(args)),
         "env": {k: os.environ.get(k) for k in launch.NO_MULTICAST},
         "runs": {name: {**totals[name].summary(),

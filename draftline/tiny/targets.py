@@ -192,17 +192,19 @@ def build_tiny_llama(
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
     seed: int = 0,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random float32 ``LlamaForCausalLM`` plus tokenizer to ``out_dir``.
 
-    head_dim = hidden_size // num_heads (64 by default; vLLM's CPU attention
-    accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256).  Untied embeddings,
+    head_dim = hidden_size // num_heads unless given (64 by default; vLLM's CPU attention
+    accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256); a given one makes a wide model
+    with few heads cheap (benchmarks/extract.py's Kimi-width target).  Untied embeddings,
     no rope scaling.  Returns ``out_dir`` as an absolute Path.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if hidden_size % num_heads or num_heads % num_kv_heads:
+    if (head_dim is None and hidden_size % num_heads) or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
     with atomic_dir(out_dir) as tmp:
         tok = _write_tokenizer(tmp, None, vocab_size)
@@ -213,7 +215,7 @@ def build_tiny_llama(
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=hidden_size // num_heads,
+            head_dim=head_dim or hidden_size // num_heads,
             hidden_act="silu",
             max_position_embeddings=max_position_embeddings,
             initializer_range=initializer_range,
