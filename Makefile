@@ -249,6 +249,12 @@ lint-docker: $(VENV)/bin/hadolint ## Lint the Dockerfile with hadolint
 test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+.PHONY: test-long
+# The `long` tier: engine branches (TP=2, bf16, compiled) and the rehearsals of the tiny
+# targets, each over a minute on 2 cores. .ci/run runs it after `make test`.
+test-long: setup ## Run the long CPU tier (engine branches, rehearsals); CI runs it after make test
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
+
 .PHONY: selftest
 # On a GPU host (in the gpu image) before the first big run: the `gpu`-marked tests, which no
 # CPU machine can run (README "Before the first big run" says what they catch). A host
