@@ -23,6 +23,7 @@ from draftline.pipeline.cuda import fork_safe_cuda_checks
 
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU platform: cores per TP rank, "0,1|2,3"
 KVCACHE = "VLLM_CPU_KVCACHE_SPACE"           # vLLM CPU platform: KV cache (GiB)
+EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"  # multiproc executor: one step's answer (s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,10 @@ class EngineOptions:
     seed: int = 0
     enforce_eager: bool = True       # False: torch.compile (inductor) and, on CUDA, CUDA graphs
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (CPU platform); None on GPUs
+    # Seconds the driver waits for the TP ranks to answer one engine call before the stage
+    # fails (a rank that hangs without raising); None: vLLM's default for execute_model (300)
+    # and no limit on speculators' capture calls.
+    rank_timeout_s: float | None = None
 
     def environment(self) -> dict[str, str]:
         """Environment variables vLLM reads at start-up for these options (a value the user
@@ -51,6 +56,8 @@ class EngineOptions:
             env["VLLM_MLA_DISABLE"] = "1"
         if self.cpu_threads_bind is not None:
             env[THREADS_BIND] = self.cpu_threads_bind
+        if self.rank_timeout_s is not None:
+            env[EXECUTE_TIMEOUT] = str(max(1, round(self.rank_timeout_s)))
         return env
 
 
@@ -105,7 +112,16 @@ def engine_options(cfg, section, cpu_kvcache_gib: float = 1.0) -> EngineOptions:
         # null: compiled with CUDA graphs on GPUs; eager on the CPU engine, where inductor
         # needs a C++ compiler (the cpu image has none) and there are no graphs to capture.
         enforce_eager=(not on_gpu) if eager is None else bool(eager),
-        cpu_threads_bind=None if on_gpu else cpu_threads_bind(tensor_parallel_size))
+        cpu_threads_bind=None if on_gpu else cpu_threads_bind(tensor_parallel_size),
+        rank_timeout_s=_positive_or_none(section.get("rank_timeout_s")))
+
+
+def _positive_or_none(value) -> float | None:
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise ValueError(f"rank_timeout_s must be a positive number of seconds or null, got {value!r}")
+    return float(value)
 
 
 def speculative_config(draft: str | Path, k: int) -> dict:
@@ -142,6 +158,7 @@ def generator_kwargs(options: EngineOptions, **stage) -> dict:
     return dict(dtype=options.dtype, tensor_parallel_size=options.tensor_parallel_size,
                 gpu_memory_utilization=options.gpu_memory_utilization,
                 max_num_seqs=options.max_num_seqs, trust_remote_code=options.trust_remote_code,
+                rpc_timeout=options.rank_timeout_s,  # patches/speculators/0007
                 limit_mm_per_prompt=(None if options.limit_mm_per_prompt is None
                                      else dict(options.limit_mm_per_prompt)),
                 **({} if options.max_model_len is None else {"max_model_len": options.max_model_len}),
@@ -208,3 +225,15 @@ def worker_failure(executor) -> str | None:
     return ("vLLM's engine was shut down because one of its worker processes died: the log "
             "above names it (\"Worker proc ... died unexpectedly\") and holds its traceback "
             "(\"WorkerProc hit an exception\")")
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is, or was raised from, an engine call that timed out
+    (``rank_timeout_s``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, TimeoutError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False

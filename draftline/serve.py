@@ -90,10 +90,21 @@ def _sampling(max_tokens: int, stop_ids: Sequence[int]):
 
 def _measure_replies(request: dict) -> dict:
     """Each prompt alone, greedy, with the draft: its tokens and accepted count per step."""
-    from vllm import LLM, TokensPrompt
+    from vllm import LLM
 
     options, k = EngineOptions(**request["options"]), int(request["k"])
     llm = LLM(**llm_kwargs(options, request["draft"], k))
+    result = measure_on(llm, request)
+    _shutdown(llm)
+    return result
+
+
+def measure_on(llm, request: dict) -> dict:
+    """``_measure_replies`` on an engine already started with the draft (a job that also
+    reads something else from the same engine)."""
+    from vllm import TokensPrompt
+
+    k = int(request["k"])
     engine = llm.llm_engine
     replies = []
     for index, (prompt, max_tokens) in enumerate(zip(request["prompts"], request["max_tokens"],
@@ -119,7 +130,6 @@ def _measure_replies(request: dict) -> dict:
                 steps.append(delta.accepted)
         replies.append({"tokens": tokens, "accepted": steps})
     totals = SpecCounters.read(engine, k)
-    _shutdown(llm)
     return {"replies": replies, "counters": totals.as_dict()}
 
 
@@ -165,14 +175,17 @@ JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed,
 # --------------------------------------------------------------------------- jobs (parent side)
 
 
-def run_job(job: str, request: dict, options: EngineOptions, timeout: float = 3600) -> dict:
-    """Run one job in a child process; its full output is raised on failure."""
-    if job not in JOBS:
-        raise ValueError(f"unknown job {job!r}; jobs: {sorted(JOBS)}")
+def run_job(job: str, request: dict, options: EngineOptions, timeout: float = 3600,
+            module: str = __name__, jobs: dict | None = None) -> dict:
+    """Run one job in a child process (``python -m <module> job REQUEST OUT``: this module's
+    JOBS, or another module's ``jobs`` served by its own ``main``); its full output is raised
+    on failure."""
+    if job not in (JOBS if jobs is None else jobs):
+        raise ValueError(f"unknown job {job!r}; jobs: {sorted(JOBS if jobs is None else jobs)}")
     with tempfile.TemporaryDirectory() as tmp:
         request_path, out_path = Path(tmp) / "request.json", Path(tmp) / "out.json"
         request_path.write_text(json.dumps({**request, "options": dataclasses.asdict(options)}))
-        command = [sys.executable, "-m", "draftline.serve", job, str(request_path), str(out_path)]
+        command = [sys.executable, "-m", module, job, str(request_path), str(out_path)]
         env = {**os.environ, **options.environment()}
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         if result.returncode != 0 or not out_path.exists():
@@ -210,12 +223,14 @@ def speculative_and_plain(options: EngineOptions, draft: str | Path, k: int,
         "max_tokens": [int(m) for m in max_tokens], "stop_ids": [int(s) for s in stop_ids]}, options)
 
 
-def main(argv: list[str]) -> None:
-    """``python -m draftline.serve JOB REQUEST OUT``: the child side of ``run_job``."""
-    if len(argv) != 3 or argv[0] not in JOBS:
-        raise SystemExit(f"usage: python -m draftline.serve {{{','.join(JOBS)}}} REQUEST OUT")
+def main(argv: list[str], jobs: dict | None = None, module: str = __name__) -> None:
+    """``python -m draftline.serve JOB REQUEST OUT``: the child side of ``run_job`` (another
+    module's ``main`` passes its own ``jobs``)."""
+    jobs = JOBS if jobs is None else jobs
+    if len(argv) != 3 or argv[0] not in jobs:
+        raise SystemExit(f"usage: python -m {module} {{{','.join(jobs)}}} REQUEST OUT")
     logging.basicConfig(level=logging.INFO)
-    result = JOBS[argv[0]](json.loads(Path(argv[1]).read_text()))
+    result = jobs[argv[0]](json.loads(Path(argv[1]).read_text()))
     Path(argv[2]).write_text(json.dumps(result))
 
 

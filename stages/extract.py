@@ -118,7 +118,7 @@ def make_generator(cfg: DictConfig):
 # or that only check the run: they change no byte of a shard.
 NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code",
                                  "enforce_eager"),  # extraction always runs eager
-                      "extract": ("disk_headroom",)}
+                      "extract": ("disk_headroom", "rank_timeout_s")}
 
 
 def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:
@@ -207,6 +207,12 @@ def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
                                   shard_metadata(cfg, inputs), progress)
     except Exception as error:
         failure = engine.worker_failure(getattr(generator, "executor", None))
+        if failure is None and engine.timed_out(error):
+            failure = (f"the TP ranks did not answer one capture step within extract.rank_timeout_s="
+                       f"{cfg.extract.rank_timeout_s} s: a rank hangs (the log above may say where), "
+                       f"or one step of up to extract.max_num_batched_tokens="
+                       f"{cfg.extract.max_num_batched_tokens} tokens takes longer on this target "
+                       "(then raise extract.rank_timeout_s)")
         if failure is None:
             raise
         raise RuntimeError(failure) from error

@@ -83,4 +83,6 @@ def test_extract_generator_gets_the_same_options(model_dir):
     kwargs = engine.generator_kwargs(options, max_num_batched_tokens=2048)
     assert kwargs == {"dtype": "float32", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.85,
                       "max_num_seqs": 32, "trust_remote_code": False, "limit_mm_per_prompt": None,
-                      "max_model_len": 1024, "max_num_batched_tokens": 2048}
+                      "max_model_len": 1024, "max_num_batched_tokens": 2048,
+                      "rpc_timeout": 300.0}  # extract.rank_timeout_s (patches/speculators/0007)
+    assert options.environment()[engine.EXECUTE_TIMEOUT] == "300"

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from draftline import formats, regenerate
 from draftline.engine import EngineOptions
 from draftline.evaluate import in_vllm, offline, rollout, stats
+from draftline.tiny.drafts import overfit_draft
 from stages.evaluate import GateFailed, apply_gate, check_features
 from conftest import compose
 
@@ -582,37 +583,6 @@ def hf_states(target, tokens: torch.Tensor) -> tuple:
     post-norm) and its greedy next tokens: what extraction stores, in float32."""
     out = target(input_ids=tokens[None], output_hidden_states=True)
     return [h[0] for h in out.hidden_states], out.logits[0].argmax(-1)
-
-
-def overfit_draft(target_dir, target, sequences, aux_ids: list[int], out_dir: Path) -> Path:
-    """An EAGLE-3 draft trained on ``sequences`` (token tensors) until it predicts them: a
-    draft whose verdicts depend on its features, unlike a random one (which accepts nothing)."""
-    from speculators.train.data import create_collate_fn, shift_batch
-
-    from draftline.tokenize import vocab
-    from draftline.train.draft import build_draft
-    from draftline.train.loop import make_session
-
-    rows = []
-    for tokens in sequences:
-        hidden, _ = hf_states(target, tokens)
-        rows.append(shift_batch({
-            "hidden_states": torch.cat([hidden[i] for i in aux_ids], -1),
-            "verifier_last_hidden_states": hidden[-1], "input_ids": tokens,
-            "loss_mask": torch.ones(len(tokens), dtype=torch.long),
-            "lengths": torch.tensor([len(tokens)]), "position_ids": torch.arange(len(tokens))}))
-    batch = create_collate_fn(sum(len(t) for t in sequences))(rows)
-    freq = torch.bincount(torch.cat(list(sequences)), minlength=512)
-    d2t, t2d = vocab.draft_vocab_mapping(freq, 128)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build_draft(target_dir, aux_ids, d2t, t2d, num_speculative_tokens=3)
-        session = make_session(model, "cpu", lr=3e-3, warmup_steps=5, total_steps=150, ttt_steps=3,
-                               precision="fp32", compile=False)
-        for _ in range(150):
-            session.step(batch)
-    model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 @pytest.fixture(scope="module")

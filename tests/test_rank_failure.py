@@ -49,13 +49,18 @@ def run_until_exit(command: list[str], env: dict, stamp: Path) -> tuple[subproce
     return result, ended - float(stamp.read_text())
 
 
-def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
-    run_dir = tmp_path / "run"
+def _regenerated(run_dir: Path) -> Path:
+    """A run dir whose regenerate stage is done: eight samples of 48 tokens."""
     regenerate_dir = run_dir / "regenerate"
     lengths = [48] * 8
     ids = [[7 + (i * 5 + j) % 400 for j in range(n)] for i, n in enumerate(lengths)]
     formats.write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
     artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
+    return run_dir
+
+
+def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
+    run_dir = _regenerated(tmp_path / "run")
     stamp = tmp_path / "fault-time"
     result, seconds = run_until_exit(
         [sys.executable, "-m", "stages.extract", "experiment=tiny", f"run_dir={run_dir}",
@@ -75,6 +80,32 @@ def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
         "RuntimeError: vLLM's engine was shut down because one of its worker processes died: the "
         "log above names it (\"Worker proc ... died unexpectedly\") and holds its traceback "
         "(\"WorkerProc hit an exception\")")
+    assert not (run_dir / "extract" / artifacts.MANIFEST).exists()
+
+
+def test_a_hanging_tp_rank_ends_extraction_within_the_rank_timeout(tmp_path, model_dir):
+    """Rank 1 sleeps in its first capture step without raising: rank 0 waits for it in the
+    all-reduce, and only the driver's timeout on the capture call (patches/speculators/0007,
+    extract.rank_timeout_s) ends the stage, naming the key."""
+    run_dir = _regenerated(tmp_path / "run")
+    stamp = tmp_path / "fault-time"
+    timeout = 20
+    result, seconds = run_until_exit(
+        [sys.executable, "-m", "stages.extract", "experiment=tiny", f"run_dir={run_dir}",
+         f"model.path={model_dir}", "model.tensor_parallel_size=2",
+         f"extract.rank_timeout_s={timeout}"],
+        {**fault_env(CAPTURE, stamp), "DRAFTLINE_FAULT_MODE": "hang"}, stamp)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("RuntimeError: ")]
+    print(f"extract: exit {result.returncode} {seconds:.1f} s after the hang began; last error:\n"
+          + (errors[-1] if errors else output[-3000:]))
+    assert result.returncode != 0
+    assert "injected hang in " + CAPTURE + " on TP rank 1" in output
+    assert "TimeoutError: RPC call to _capture_step timed out." in output
+    assert errors and errors[-1].startswith(
+        f"RuntimeError: the TP ranks did not answer one capture step within "
+        f"extract.rank_timeout_s={timeout} s")
+    assert timeout <= seconds < timeout + BOUND_S
     assert not (run_dir / "extract" / artifacts.MANIFEST).exists()
 
 

@@ -4,8 +4,9 @@ Put this directory on PYTHONPATH and every Python process started with it (the s
 engine core, its spawned workers) imports it at start-up. With DRAFTLINE_FAULT set to
 ``module:Class.method`` the method, once its module is imported, raises in the process whose
 ``self.rank`` is DRAFTLINE_FAULT_RANK, on its DRAFTLINE_FAULT_AFTER-th call (0: the first), and
-writes the time it raised to DRAFTLINE_FAULT_STAMP. Installed files are never edited (uv
-hard-links the venv to its cache).
+writes the time it raised to DRAFTLINE_FAULT_STAMP; with DRAFTLINE_FAULT_MODE=hang it sleeps
+there instead, for ever (a rank that hangs without raising). Installed files are never edited
+(uv hard-links the venv to its cache).
 """
 
 import importlib.abc
@@ -35,6 +36,11 @@ def _wrap(owner, name: str) -> None:
                 if stamp:
                     with open(stamp, "w") as f:
                         f.write(repr(time.time()))
+                if os.environ.get("DRAFTLINE_FAULT_MODE") == "hang":
+                    print(f"injected hang in {FAULT} on TP rank {rank} (call {calls[0]})",
+                          file=sys.stderr, flush=True)
+                    while True:
+                        time.sleep(3600)
                 raise InjectedFault(f"injected fault in {FAULT} on TP rank {rank} (call {calls[0]})")
         return original(self, *args, **kwargs)
 
