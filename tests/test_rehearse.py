@@ -4,7 +4,7 @@ Fast tier: which layers a miniature keeps and of which kind, what it drops on CP
 the gate that makes the loading stages wait. vLLM tier (each run is `python -m stages.tokenize`
 then `python -m stages.rehearse` in its own run dir, on 8 of the embedded conversations): the
 rehearsal of the tiny Llama, DeepseekV3 and Kimi-K2.5 targets and of the Kimi-K2.5-shaped
-directory in tests/assets/ (slow), and the seed's failure, injected through
+directory in tests/assets/ (long tier: `make test-long`, CI), and the seed's failure, injected through
 tests/assets/broken_capture/sitecustomize.py, caught within seconds of the engine's start.
 """
 
@@ -262,7 +262,7 @@ def _kinds_in_transformers(mini_path: str) -> list[str]:
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("exp", ["tiny", "tiny-deepseek", "tiny-kimi"])
 def test_the_tiny_targets_rehearse(tmp_path, exp):
     run_dir = _tokenized(tmp_path, exp)
@@ -278,7 +278,7 @@ def test_the_tiny_targets_rehearse(tmp_path, exp):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path):
     from draftline.pipeline import status
 
