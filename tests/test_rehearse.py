@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from conftest import compose, require_cuda
 from draftline.rehearse import scope
 from draftline.tiny import miniature
 
@@ -324,11 +324,9 @@ def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_ca
 def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp_path):
     """`make selftest` on a user's GPU host (CUDA vLLM): the miniature keeps the INT4 experts
     (compressed-tensors, Marlin) and MLA, compiled with CUDA graphs, TP up to the GPUs there."""
-    from draftline import engine
     from draftline.pipeline import status
 
-    if not engine.cuda_available():
-        pytest.skip("needs a CUDA GPU")
+    require_cuda()
     embedded = compose("tiny")
     status.ensure_assets(embedded)
     data = tmp_path / "chats.jsonl"
