@@ -27,3 +27,13 @@ def compose(exp: str = "tiny", *overrides: str):
 
     return config.compose(config.experiment_overrides(exp, list(overrides)))
 
+
+
+def require_cuda() -> None:
+    """A gpu test fails, never skips, where torch sees no GPU: `make selftest` on a host whose
+    GPU the container cannot see must not pass by skipping (asked without a CUDA context)."""
+    from draftline import engine
+
+    if not engine.cuda_available():
+        raise RuntimeError("no CUDA GPU visible to torch: the gpu-marked tests need one "
+                           "(make selftest, in the gpu image on the GPU host)")

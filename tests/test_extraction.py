@@ -46,14 +46,15 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     ]
 
 
-def _make_generator(model_dir, layer_ids, **kwargs):
+def _make_generator(model_dir, layer_ids, dtype="float32", **kwargs):
+    """float32 by default: compared with HF in float32 ("auto" would downcast to bf16)."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     return VllmHiddenStatesGenerator(
         str(model_dir),
         layer_ids=layer_ids,
         max_model_len=512,
-        dtype="float32",  # compare with HF in float32 ("auto" would downcast to bf16)
+        dtype=dtype,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=TOKEN_BUDGET,
         **kwargs,

@@ -4,7 +4,7 @@ Fast tier: which layers a miniature keeps and of which kind, what it drops on CP
 the gate that makes the loading stages wait. vLLM tier (each run is `python -m stages.tokenize`
 then `python -m stages.rehearse` in its own run dir, on 8 of the embedded conversations): the
 rehearsal of the tiny Llama, DeepseekV3 and Kimi-K2.5 targets and of the Kimi-K2.5-shaped
-directory in tests/assets/ (slow), and the seed's failure, injected through
+directory in tests/assets/ (long tier: `make test-long`, CI), and the seed's failure, injected through
 tests/assets/broken_capture/sitecustomize.py, caught within seconds of the engine's start.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from conftest import compose, require_cuda
 from draftline.rehearse import scope
 from draftline.tiny import miniature
 
@@ -262,7 +262,7 @@ def _kinds_in_transformers(mini_path: str) -> list[str]:
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("exp", ["tiny", "tiny-deepseek", "tiny-kimi"])
 def test_the_tiny_targets_rehearse(tmp_path, exp):
     run_dir = _tokenized(tmp_path, exp)
@@ -278,7 +278,7 @@ def test_the_tiny_targets_rehearse(tmp_path, exp):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path):
     from draftline.pipeline import status
 
@@ -324,11 +324,9 @@ def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_ca
 def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp_path):
     """`make selftest` on a user's GPU host (CUDA vLLM): the miniature keeps the INT4 experts
     (compressed-tensors, Marlin) and MLA, compiled with CUDA graphs, TP up to the GPUs there."""
-    from draftline import engine
     from draftline.pipeline import status
 
-    if not engine.cuda_available():
-        pytest.skip("needs a CUDA GPU")
+    require_cuda()
     embedded = compose("tiny")
     status.ensure_assets(embedded)
     data = tmp_path / "chats.jsonl"

@@ -261,7 +261,9 @@ def _install_capture(model):
 
     def hook(_module, _args, output):
         if isinstance(output, tuple):
-            captured.append([h.detach().clone() for h in output[1]])
+            # copied to the CPU: the engine's answer crosses to this process (and a CUDA
+            # graph's output buffer is reused by its next replay)
+            captured.append([h.detach().to("cpu", copy=True) for h in output[1]])
 
     model._serving_test_capture = captured
     model._serving_test_hook = model.register_forward_hook(hook)
@@ -282,14 +284,17 @@ def _metrics(llm) -> dict:
 
 
 def _run(model_dir: Path, draft_dir: Path | None, capture_prompt: list[int] | None = None,
+         dtype: str = "float32", enforce_eager: bool = True, logprobs: int | None = None,
          **kwargs):
-    """Start an engine, answer every question, shut it down; returns plain data."""
+    """Start an engine, answer every question, shut it down; returns plain data. With
+    ``logprobs``, the greedy replies' top-``logprobs`` log-probabilities too (per token:
+    {token id: logprob})."""
     from vllm import LLM, SamplingParams
 
     if draft_dir is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": str(draft_dir),
                                         "num_speculative_tokens": NUM_SPEC}
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=512,
+    llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager, max_model_len=512,
               max_num_seqs=4, disable_log_stats=False, seed=0, **kwargs)
     try:
         out = {}
@@ -300,8 +305,11 @@ def _run(model_dir: Path, draft_dir: Path | None, capture_prompt: list[int] | No
             out["aux"] = llm.apply_model(_take_capture)[0]
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                      ignore_eos=True), use_tqdm=False)
+                                                      ignore_eos=True, logprobs=logprobs), use_tqdm=False)
         out["greedy"] = [list(o.outputs[0].token_ids) for o in greedy]
+        if logprobs is not None:
+            out["greedy_logprobs"] = [[{int(t): float(lp.logprob) for t, lp in step.items()}
+                                       for step in o.outputs[0].logprobs] for o in greedy]
         if draft_dir is not None:
             out["metrics"] = _metrics(llm)
             sampled = llm.generate(prompts, [SamplingParams(temperature=1.0, seed=s,
