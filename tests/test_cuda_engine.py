@@ -9,8 +9,9 @@ speculative engine with a random EAGLE-3 draft, and a plain engine (the CPU help
 tests/test_extraction.py and tests/test_serving.py, run with the GPU's settings):
 
 * extraction vs transformers (float32, CPU) on the same weights: every slot nearest to the
-  layer input it names and within ``checks.TOLERANCE["other"]`` (5e-2, max |row - HF| /
-  max |HF|). Why that bound: bf16 keeps 8 bits of mantissa (2^-8 = 0.4% per rounding); the
+  layer input it names, the median token within ``checks.TOLERANCE["other"]`` (5e-2 of
+  |row - HF| / |HF| per token) and at most ``checks.FLIPPED_SHARE["other"]`` (5%) of the tokens
+  beyond it (MoE tokens whose expert choice flips under bf16's rounding). Why that bound: bf16 keeps 8 bits of mantissa (2^-8 = 0.4% per rounding); the
   residual stream accumulates a few of those per layer, and MLA on CUDA runs the absorbed form
   (W_UK folded into the query, W_UV into the output), which rounds in another order than
   transformers' per-head form; about 1% is measured on the CPU engine's bf16 branch, and the
@@ -36,7 +37,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import environment, require_cuda
-from draftline.rehearse.checks import TOLERANCE, compare_rows
+from draftline.rehearse.checks import FLIPPED_SHARE, TOLERANCE, compare_rows, judge
 from draftline.tiny import targets
 from test_extraction import _make_generator
 from test_serving import KIMI_TEXT_ONLY, MAX_TOKENS, PROMPT_LENGTHS, _capture_prompt, _family, _prompts
@@ -92,12 +93,13 @@ def family(request, tmp_path_factory, cuda_env):
 def _assert_rows_match_hf(family: dict, extracted: dict) -> list[float]:
     import torch
 
-    worst = [0.0] * (len(family["aux_ids"]) + 1)
+    per_slot = [[] for _ in range(len(family["aux_ids"]) + 1)]
     for prompt, slots in zip(family["prompts"], extracted["rows"], strict=True):
         reference = targets.hf_hidden_states(family["hf"], prompt)  # num_layers + 1 entries
-        errors = compare_rows(torch.stack(slots, dim=1).cpu(), reference, family["aux_ids"], TOLERANCE["other"])
-        worst = [max(a, b) for a, b in zip(worst, errors)]
-    return worst
+        for slot, e in enumerate(compare_rows(torch.stack(slots, dim=1).cpu(), reference, family["aux_ids"])):
+            per_slot[slot].append(e)
+    summary = judge([torch.cat(e) for e in per_slot], TOLERANCE["other"], FLIPPED_SHARE["other"])
+    return [r["median"] for r in summary]
 
 
 def _departures(spec: list[list[int]], plain: list[list[int]], plain_logprobs: list[list[dict]]) -> list[dict]:
@@ -124,7 +126,7 @@ def _assert_lossless(spec: dict, plain: dict) -> list[dict]:
 def test_extraction_in_bf16_matches_hf_with_mla_on(family):
     assert family["extracted"]["use_mla"] is (family["name"] != "llama")
     worst = _assert_rows_match_hf(family, family["extracted"])
-    print(f"\n{family['name']}: max relative |row - HF| per slot {[f'{w:.2g}' for w in worst]} "
+    print(f"\n{family['name']}: median token relative |row - HF| per slot {[f'{w:.2g}' for w in worst]} "
           f"(tolerance {TOLERANCE['other']:g})")
 
 

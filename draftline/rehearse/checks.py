@@ -33,10 +33,17 @@ from pathlib import Path
 
 log = logging.getLogger("draftline.rehearse")
 
-# max |row - transformers'| / max |transformers'| per slot: float32 end to end agrees to
-# rounding; bf16 activations (or bf16 shards) leave about 1% (measured on the tiny targets),
-# while the neighbouring layer's input differs by tens of percent.
+# Per token, |row - transformers'| / |transformers'| (norms over the hidden width). float32 end
+# to end agrees to rounding on every token. bf16 activations (or bf16/fp8 shards) leave about
+# 1% on a typical token (a few roundings of 2^-8; e4m3's 2^-4 steps average out over the
+# width), while the neighbouring layer's input differs by tens of percent; so the median
+# token must be within 5%. Through MoE layers a few tokens go further: where two experts'
+# router scores are within bf16's rounding of each other, the rounded run picks the other
+# expert and that token's state moves by an expert's output (20-40% measured). transformers'
+# own bf16 run flips as many tokens of the tiny DeepseekV3 against its float32 run (1-3% of
+# tokens past 5%, benchmarks/branches.py), so up to FLIPPED_SHARE of the tokens may.
 TOLERANCE = {"float32": 1e-4, "other": 5e-2}
+FLIPPED_SHARE = {"float32": 0.0, "other": 0.05}
 
 
 @dataclasses.dataclass
@@ -79,29 +86,56 @@ class Rehearsal:
 # --------------------------------------------------------------------------- extraction
 
 
+def precision(dtype: str, save_dtype: str) -> str:
+    return "float32" if dtype == save_dtype == "float32" else "other"
+
+
 def tolerance(dtype: str, save_dtype: str) -> float:
-    return TOLERANCE["float32"] if dtype == save_dtype == "float32" else TOLERANCE["other"]
+    return TOLERANCE[precision(dtype, save_dtype)]
 
 
-def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int], tol: float) -> list[float]:
-    """Each slot's relative error against the transformers entry it names (aux id i: the input
-    of layer i; the last slot: the final normed state); raises when a slot is off tolerance or
-    nearer another layer's entry than its own."""
+def token_errors(row, reference):
+    """Per token, the relative error of ``row`` [T, H] against ``reference`` [T, H]."""
+    row, reference = row.float(), reference.float()
+    return (row - reference).norm(dim=-1) / reference.norm(dim=-1).clamp(min=1e-12)
+
+
+def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int]) -> list:
+    """Per slot, each token's relative error against the transformers entry the slot names
+    (aux id i: the input of layer i; the last slot: the final normed state). Raises when a
+    slot's median token is nearer another layer's entry than its own."""
     import torch
 
     wanted = [*aux_layer_ids, len(reference) - 1]
     errors = []
     for slot, layer in enumerate(wanted):
-        row = rows[:, slot].float()  # [T, H]
-        distance = [float((row - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) for ref in reference]
+        row = rows[:, slot]  # [T, H]
+        distance = [float(token_errors(row, ref).median()) for ref in reference]
         nearest = int(torch.tensor(distance).argmin())
-        if nearest != layer or distance[layer] > tol:
+        if nearest != layer:
             raise AssertionError(
-                f"slot {slot} should be transformers' hidden_states[{layer}] (relative error "
-                f"{distance[layer]:.3g}, tolerance {tol:g}) but is nearest hidden_states[{nearest}] "
+                f"slot {slot} should be transformers' hidden_states[{layer}] (median relative "
+                f"error {distance[layer]:.3g}) but is nearest hidden_states[{nearest}] "
                 f"({distance[nearest]:.3g}): the captured rows are not the layer inputs training uses")
-        errors.append(distance[layer])
+        errors.append(token_errors(row, reference[layer]))
     return errors
+
+
+def judge(errors: list, tol: float, flipped_share: float) -> list[dict]:
+    """Each slot's token errors (one tensor per slot, every sample's tokens) against the
+    rule: the median token within ``tol``, at most ``flipped_share`` of the tokens past it.
+    Returns per slot median, worst and that share; raises naming the first slot off it."""
+    summary = []
+    for slot, e in enumerate(errors):
+        share = float((e > tol).float().mean())
+        record = {"median": float(e.median()), "max": float(e.max()), "share_beyond": share}
+        if record["median"] > tol or share > flipped_share:
+            raise AssertionError(
+                f"slot {slot}: median token relative error {record['median']:.3g} and "
+                f"{share:.1%} of {len(e)} tokens beyond {tol:g} (allowed: median <= {tol:g}, "
+                f"share <= {flipped_share:.0%}; worst token {record['max']:.3g})")
+        summary.append(record)
+    return summary
 
 
 def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
@@ -144,19 +178,29 @@ def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
     if model is None:
         record["compared_with_transformers"] = why
         return record, f"{len(samples)} samples, {sum(lengths)} tokens; not compared: {why}"
-    tol = tolerance(str(cfg_mini.model.dtype), str(cfg_mini.extract.save_dtype))
-    worst = [0.0] * (len(aux_ids) + 1)
+    kind = precision(str(cfg_mini.model.dtype), str(cfg_mini.extract.save_dtype))
+    tol = TOLERANCE[kind]
+    per_slot = [[] for _ in range(len(aux_ids) + 1)]
     for plan in plans:
         rows = formats.read_shard_rows(out_dir / plan.name, range(len(plan.sample_ids)),
                                        (formats.HIDDEN_STATES, formats.INPUT_IDS))
         for row in rows:
             reference = miniature.reference_hidden_states(model, row[formats.INPUT_IDS].tolist())
-            errors = compare_rows(row[formats.HIDDEN_STATES], reference, aux_ids, tol)
-            worst = [max(a, b) for a, b in zip(worst, errors)]
-    record.update(compared_with_transformers=True, max_relative_error=worst, tolerance=tol)
+            for slot, e in enumerate(compare_rows(row[formats.HIDDEN_STATES], reference, aux_ids)):
+                per_slot[slot].append(e)
+    import torch
+
+    summary = judge([torch.cat(e) for e in per_slot], tol, FLIPPED_SHARE[kind])
+    record.update(compared_with_transformers=True,
+                  max_relative_error=[r["max"] for r in summary],
+                  median_relative_error=[r["median"] for r in summary],
+                  share_beyond_tolerance=[r["share_beyond"] for r in summary],
+                  tolerance=tol, flipped_share_allowed=FLIPPED_SHARE[kind])
     return record, (f"{len(samples)} samples, {sum(lengths)} tokens, {len(aux_ids) + 1} slots = "
-                    f"transformers' layer inputs {aux_ids} + final (max rel. error "
-                    f"{max(worst):.2g} <= {tol:g})")
+                    f"transformers' layer inputs {aux_ids} + final (median token rel. error "
+                    f"{max(r['median'] for r in summary):.2g} <= {tol:g}; tokens beyond it "
+                    f"{max(r['share_beyond'] for r in summary):.1%} <= "
+                    f"{FLIPPED_SHARE[kind]:.0%}; worst token {max(r['max'] for r in summary):.2g})")
 
 
 # --------------------------------------------------------------------------- speculative decoding
