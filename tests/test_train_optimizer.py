@@ -27,17 +27,22 @@ STEPS = 5
 LR = 3e-3  # tiny-trained's draft learning rate
 
 
-def compare(shapes: list[tuple[int, ...]], device: str, reference: str) -> float:
-    """``STEPS`` AdamW steps, fused vs ``reference``, from the same start with the same
-    gradients (scales 1e-6..1: some entries sit where eps dominates sqrt(v)).  Returns the
-    largest difference in units of the bound's ``eps * max(|p|, lr)``, having checked the
-    bound and the moments."""
+def compare(shapes: list[tuple[int, ...]], device: str, reference: str,
+            moments_atol: bool = False, **reference_kwargs) -> float:
+    """``STEPS`` AdamW steps, fused vs ``reference`` (built with ``reference_kwargs``), from
+    the same start with the same gradients (scales 1e-6..1: some entries sit where eps
+    dominates sqrt(v)).  Returns the largest difference in units of the bound's
+    ``eps * max(|p|, lr)``, having checked the bound and the moments: relatively
+    (``rtol``, the CPU kernels agree bit for bit), or with ``moments_atol`` also within
+    ``4 * steps * eps`` of the tensor's largest moment (CUDA: see the gpu test)."""
     generator = torch.Generator(device).manual_seed(0)
     start = [torch.randn(s, generator=generator, device=device) * 0.02 for s in shapes]
     runs = {}
     for implementation in ("fused", reference):
         params = [torch.nn.Parameter(p.clone()) for p in start]
-        optimizer = adamw(params, LR, implementation)
+        optimizer = (adamw(params, LR, implementation) if implementation == "fused" else
+                     torch.optim.AdamW(params, lr=LR, foreach=implementation == "foreach",
+                                       **reference_kwargs))
         generator.manual_seed(1)
         for _ in range(STEPS):
             for p in params:
@@ -52,14 +57,27 @@ def compare(shapes: list[tuple[int, ...]], device: str, reference: str) -> float
         worst = max(worst, float(((a - b).detach().abs() / unit).max()))
         for key in ("exp_avg", "exp_avg_sq"):
             x, y = fused_opt.state[a][key], other_opt.state[b][key]
-            torch.testing.assert_close(x, y, rtol=4 * STEPS * EPS32, atol=0.0)
-    assert worst <= 4 * STEPS, f"fused differs by {worst:.2f} x eps * max(|p|, lr)"
+            atol = 4 * STEPS * EPS32 * float(y.abs().max()) if moments_atol else 0.0
+            torch.testing.assert_close(x, y, rtol=4 * STEPS * EPS32, atol=atol)
+    if worst > 4 * STEPS:
+        raise AssertionError(f"fused differs by {worst:.2f} x eps * max(|p|, lr)")
     return worst
 
 
 def test_fused_adamw_matches_the_default_on_the_drafts_parameters_on_cpu(tmp_path):
     worst = compare(built_draft_shapes(tmp_path), "cpu", "for-loop")
     print(f"cpu: max |fused - for-loop| = {worst:.2f} x eps * max(|p|, lr) (bound {4 * STEPS})")
+
+
+@pytest.mark.parametrize("mutant", [{"betas": (0.9, 0.998)}, {"eps": 1e-6},
+                                    {"weight_decay": 0.02}, {"betas": (0.89, 0.999)}])
+@pytest.mark.parametrize("moments_atol", [False, True])
+def test_the_comparison_rejects_another_adamw(mutant, moments_atol):
+    """A reference with another beta1, beta2, eps or weight decay fails the comparison, also
+    with the CUDA test's looser moment tolerance."""
+    with pytest.raises(AssertionError):
+        compare(draft_parameter_shapes(*DIMS["tiny-trained"]), "cpu", "for-loop",
+                moments_atol=moments_atol, **mutant)
 
 
 def built_draft_shapes(tmp_path) -> list[tuple[int, ...]]:
@@ -102,5 +120,5 @@ def test_fused_adamw_matches_foreach_on_cuda(dims):
     """Full-size draft parameters (Kimi dims: ~0.96B, ~31 GB for both optimizers)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    worst = compare(draft_parameter_shapes(*DIMS[dims]), "cuda", "foreach")
+    worst = compare(draft_parameter_shapes(*DIMS[dims]), "cuda", "foreach", moments_atol=True)
     print(f"cuda: max |fused - foreach| = {worst:.2f} x eps * max(|p|, lr) (bound {4 * STEPS})")
