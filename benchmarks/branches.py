@@ -61,6 +61,7 @@ import torch
 
 from draftline import engine, serve
 from draftline.engine import EngineOptions
+from draftline.tiny import capture
 
 TP2_TOLERANCE = 1e-5
 BF16_TOLERANCE = 0.05
@@ -128,24 +129,6 @@ def _extract(request: dict) -> dict:
     return {"prompts": len(outputs)}
 
 
-def _install_capture(model):
-    """Worker side: keep the aux hidden states of each target forward (outputs unchanged)."""
-    captured = []
-
-    def hook(_module, _args, output):
-        if isinstance(output, tuple):
-            captured.append([h.detach().clone() for h in output[1]])
-
-    model._branches_capture = captured
-    model._branches_hook = model.register_forward_hook(hook)
-    return len(captured)
-
-
-def _take_capture(model):
-    model._branches_hook.remove()
-    return model._branches_capture
-
-
 def _speculative(request: dict) -> dict:
     """One branch: the draft's engine (the aux capture of one prompt when asked, then
     evaluate's measurement), then the plain engine on the same prompts."""
@@ -161,11 +144,11 @@ def _speculative(request: dict) -> dict:
     llm = LLM(**engine.llm_kwargs(options, request["draft"], int(request["k"])))
     result = {"engine_start_seconds": time.monotonic() - started}
     if request.get("capture"):
-        llm.apply_model(_install_capture)
+        llm.apply_model(capture.install)
         prompt = list(request["capture"]["prompt"])
         llm.generate([TokensPrompt(prompt_token_ids=prompt)],
                      SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        prefill = llm.apply_model(_take_capture)[0][0]  # rank 0, the prompt's forward
+        prefill = llm.apply_model(capture.take)[0][0]  # rank 0, the prompt's forward
         save_file({str(slot): h[: len(prompt)].float().contiguous() for slot, h in enumerate(prefill)},
                   request["capture"]["out"])
     result["speculative"] = serve.measure_on(llm, request)
@@ -203,20 +186,16 @@ def slot_errors(rows: dict, reference, prompts, slots: int) -> list[float]:
 def nearest_layers(rows: dict, hf: list, prompts, wanted: list[int]) -> bool:
     """Whether every slot of every prompt (its median token) is nearest the transformers
     entry it names."""
-    from draftline.rehearse.checks import token_errors
+    from draftline.rehearse.checks import nearest_layer
 
-    for i in range(len(prompts)):
-        for slot, layer in enumerate(wanted):
-            distance = [float(token_errors(rows[f"{i}.{slot}"], ref).median()) for ref in hf[i]]
-            if min(range(len(distance)), key=distance.__getitem__) != layer:
-                return False
-    return True
+    return all(nearest_layer(rows[f"{i}.{slot}"], hf[i])[0] == layer
+               for i in range(len(prompts)) for slot, layer in enumerate(wanted))
 
 
 def token_summary(rows: dict, reference, prompts, slots: int, tol: float = BF16_TOLERANCE) -> list[dict]:
     """Per slot, over every prompt's tokens: the median and worst token's relative error and
     the share of tokens beyond ``tol`` (``reference`` as in ``slot_errors``)."""
-    from draftline.rehearse.checks import token_errors
+    from draftline.rehearse.checks import summarize, token_errors
 
     summary = []
     for slot in range(slots):
@@ -224,8 +203,7 @@ def token_summary(rows: dict, reference, prompts, slots: int, tol: float = BF16_
                                     (reference(i) if callable(reference) else
                                      [reference[f"{i}.{s}"] for s in range(slots)])[slot])
                        for i in range(len(prompts))])
-        summary.append({"median": float(e.median()), "max": float(e.max()),
-                        "share_beyond": float((e > tol).float().mean()), "tokens": len(e)})
+        summary.append({**summarize(e, tol), "tokens": len(e)})
     return summary
 
 
@@ -329,15 +307,15 @@ def run_model(model: Model, root: Path, branches: dict | None = None, reuse: boo
         options = options_for(target, model, **change)
         request = {"draft": str(draft), "k": K, "prompts": [p.tolist() for p in spec_prompts],
                    "max_tokens": [SPEC_TOKENS] * SPEC_PROMPTS, "stop_ids": []}
-        capture = root / f"served-{name}.safetensors"
+        served_path = root / f"served-{name}.safetensors"
         if name == "compiled":
-            request["capture"] = {"prompt": capture_prompt, "out": str(capture)}
+            request["capture"] = {"prompt": capture_prompt, "out": str(served_path)}
         started = time.monotonic()
         measured[name] = _job("speculative", request, options)
         record = compare_speculative(measured[name], measured.get("eager-tp1", measured[name]))
         record["seconds"] = time.monotonic() - started
         if name == "compiled":
-            served = load_file(str(capture))
+            served = load_file(str(served_path))
             record["served_aux_vs_stored_rows"] = [
                 relative(served[str(slot)], rows["tp1"][f"2.{slot}"]) for slot in range(len(model.aux_ids))]
         results["speculative"][name] = record

@@ -148,6 +148,9 @@ def test_served_aux_hidden_states_equal_the_stored_rows(family):
 def test_tensor_parallel_2_extracts_and_decodes_losslessly(family):
     import torch
 
+    from draftline.pipeline.cuda import fork_safe_cuda_checks
+
+    fork_safe_cuda_checks()  # the count through NVML: the engines below fork their workers
     if torch.cuda.device_count() < 2:
         pytest.skip(f"TP=2 needs two visible GPUs; this host shows {torch.cuda.device_count()}")
     name, aux_ids = family["name"], family["aux_ids"]

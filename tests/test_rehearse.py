@@ -340,3 +340,27 @@ def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp
     assert manifest["miniature"]["quantization_kept"] is True
     whats = {item["what"] for item in manifest["not_rehearsed"]}
     assert not any(w.startswith(("quantization_config", "MLA")) for w in whats), whats
+
+
+def test_the_token_rule_allows_a_few_flipped_tokens_and_no_more():
+    """checks.judge: the median token within the tolerance and at most FLIPPED_SHARE of the
+    tokens past it (below float32); float32 allows none."""
+    import torch
+
+    from draftline.rehearse import checks
+
+    typical = torch.full((100,), 0.01)
+    few = typical.clone()
+    few[:3] = 0.4  # 3% of the tokens took another expert
+    many = typical.clone()
+    many[:8] = 0.4
+    tol, share = checks.TOLERANCE["other"], checks.FLIPPED_SHARE["other"]
+    assert checks.judge([typical, few], tol, share)[1]["share_beyond"] == pytest.approx(0.03)
+    with pytest.raises(AssertionError, match="8.0% of 100 tokens beyond 0.05"):
+        checks.judge([typical, many], tol, share)
+    with pytest.raises(AssertionError, match="median token relative error 0.06"):
+        checks.judge([torch.full((10,), 0.06)], tol, share)
+    with pytest.raises(AssertionError, match="1.0% of 100 tokens"):
+        one = torch.zeros(100)
+        one[0] = 1e-3
+        checks.judge([one], checks.TOLERANCE["float32"], checks.FLIPPED_SHARE["float32"])

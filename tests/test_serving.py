@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import environment
-from draftline.tiny import targets
+from draftline.tiny import capture, targets
 
 pytestmark = pytest.mark.vllm
 
@@ -255,26 +255,6 @@ def _save_draft(target_dir: Path, aux_ids: list[int], out_dir: Path) -> Path:
     return out_dir
 
 
-def _install_capture(model):
-    """Worker side: keep the aux hidden states of every target forward (outputs unchanged)."""
-    captured = []
-
-    def hook(_module, _args, output):
-        if isinstance(output, tuple):
-            # copied to the CPU: the engine's answer crosses to this process (and a CUDA
-            # graph's output buffer is reused by its next replay)
-            captured.append([h.detach().to("cpu", copy=True) for h in output[1]])
-
-    model._serving_test_capture = captured
-    model._serving_test_hook = model.register_forward_hook(hook)
-    return len(captured)
-
-
-def _take_capture(model):
-    model._serving_test_hook.remove()
-    return model._serving_test_capture
-
-
 def _metrics(llm) -> dict:
     found = {}
     for metric in llm.get_metrics():
@@ -299,10 +279,10 @@ def _run(model_dir: Path, draft_dir: Path | None, capture_prompt: list[int] | No
     try:
         out = {}
         if capture_prompt is not None:
-            llm.apply_model(_install_capture)
+            llm.apply_model(capture.install)
             llm.generate([{"prompt_token_ids": capture_prompt}],
                          SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-            out["aux"] = llm.apply_model(_take_capture)[0]
+            out["aux"] = llm.apply_model(capture.take)[0]
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                       ignore_eos=True, logprobs=logprobs), use_tqdm=False)

@@ -100,18 +100,28 @@ def token_errors(row, reference):
     return (row - reference).norm(dim=-1) / reference.norm(dim=-1).clamp(min=1e-12)
 
 
+def nearest_layer(row, reference: list) -> tuple[int, list[float]]:
+    """The transformers entry ``row`` [T, H] is nearest by its median token, and the median
+    token's distance to each entry."""
+    distance = [float(token_errors(row, ref).median()) for ref in reference]
+    return min(range(len(distance)), key=distance.__getitem__), distance
+
+
+def summarize(errors, tol: float) -> dict:
+    """One slot's token errors: the median and worst token, the share of tokens past ``tol``."""
+    return {"median": float(errors.median()), "max": float(errors.max()),
+            "share_beyond": float((errors > tol).float().mean())}
+
+
 def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int]) -> list:
     """Per slot, each token's relative error against the transformers entry the slot names
     (aux id i: the input of layer i; the last slot: the final normed state). Raises when a
     slot's median token is nearer another layer's entry than its own."""
-    import torch
-
     wanted = [*aux_layer_ids, len(reference) - 1]
     errors = []
     for slot, layer in enumerate(wanted):
         row = rows[:, slot]  # [T, H]
-        distance = [float(token_errors(row, ref).median()) for ref in reference]
-        nearest = int(torch.tensor(distance).argmin())
+        nearest, distance = nearest_layer(row, reference)
         if nearest != layer:
             raise AssertionError(
                 f"slot {slot} should be transformers' hidden_states[{layer}] (median relative "
@@ -127,8 +137,8 @@ def judge(errors: list, tol: float, flipped_share: float) -> list[dict]:
     Returns per slot median, worst and that share; raises naming the first slot off it."""
     summary = []
     for slot, e in enumerate(errors):
-        share = float((e > tol).float().mean())
-        record = {"median": float(e.median()), "max": float(e.max()), "share_beyond": share}
+        record = summarize(e, tol)
+        share = record["share_beyond"]
         if record["median"] > tol or share > flipped_share:
             raise AssertionError(
                 f"slot {slot}: median token relative error {record['median']:.3g} and "
