@@ -34,10 +34,22 @@ PATCHES := $(sort $(wildcard patches/speculators/*.diff))#  speculators' queue
 VLLM_PATCHES := $(sort $(wildcard patches/vllm/*.diff))#    vLLM's queue, its sibling
 
 # ---- help -------------------------------------------------------------------------------
+# Targets from their `## ` comments, variables from their `?=` lines (default, then the
+# comment after `#`), experiments from conf/experiment/: nothing here to keep in step by hand.
+# Colour only on a terminal.
 .PHONY: help
-help: ## Show this help
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
-	  | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+help: ## Show this help: targets, variables with their defaults, experiments
+	@if [ -t 1 ]; then on=$$'\033[36m' off=$$'\033[0m'; else on= off=; fi; \
+	echo "Targets (make TARGET [VAR=value ...]):"; \
+	grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
+	  | awk -v on="$$on" -v off="$$off" 'BEGIN {FS = ":.*## "}; {printf "  %s%-12s%s %s\n", on, $$1, off, $$2}'; \
+	echo; echo "Variables (default in brackets):"; \
+	grep -hE '^[A-Z_]+ \?=' $(MAKEFILE_LIST) \
+	  | awk -v on="$$on" -v off="$$off" '{ name = $$1; rest = $$0; sub(/^[A-Z_]+ \?= ?/, "", rest); \
+	      split(rest, part, "#"); value = part[1]; gsub(/^ +| +$$/, "", value); \
+	      comment = substr(rest, length(part[1]) + 2); gsub(/^ +| +$$/, "", comment); \
+	      printf "  %s%-12s%s %s [%s]\n", on, name, off, comment, value }'; \
+	echo; echo "Experiments (EXP=...): $(basename $(notdir $(wildcard conf/experiment/*.yaml)))"
 
 # ---- environment ------------------------------------------------------------------------
 $(TOOLS)/bin/uv:

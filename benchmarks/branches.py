@@ -13,14 +13,20 @@ each of those forks. This runs, for the tiny Llama, DeepseekV3 and Kimi-K2.5 tar
   prompt at a time, vLLM's counters read after every step) with a draft trained on the
   target's own greedy replies (``draftline.tiny.drafts.overfit_draft``: it gets several
   tokens accepted per step, so tau can move): eager TP=1 (the reference), compiled TP=1,
-  eager TP=2, compiled TP=2; in each, the plain engine of the same branch decodes the same
-  prompts. Per branch: replies equal to the plain decode (its own and eager TP=1's), tau and
-  its paired difference to eager TP=1 over the replies with a bootstrap CI. The compiled
-  branch also captures the aux hidden states the target hands the draft and compares them
-  with the stored TP=1 rows of the same prompt.
+  eager TP=2, compiled TP=2. The plain engine of eager TP=1 decodes the same prompts; with
+  ``--own-plain`` every branch's own plain engine does too. Per branch: replies equal to
+  eager TP=1's plain decode (and to its own, where run), tau and its paired difference to
+  eager TP=1 over the replies with a bootstrap CI. The compiled branch also captures the aux
+  hidden states the target hands the draft and compares them with the stored TP=1 rows of the
+  same prompt.
 
-    .venv/bin/python -m benchmarks.branches                      # all three targets
+    .venv/bin/python -m benchmarks.branches --own-plain           # the whole table
     .venv/bin/python -m benchmarks.branches --models llama --root runs/_branches
+
+The long test tier (CI) runs ``CI_SPECULATIVE``: eager TP=1, compiled (it carries the served
+capture) and compiled TP=2 (the flagship's own combination), without own plain engines: 7
+engine starts a target instead of 11 (eager TP=2 alone and the own plains are in the table
+this module prints, not in CI's time budget).
 
 Writes <root>/<model>/results.json and prints the table. tests/test_branches.py (marker
 `long`, run by .ci/run) holds the results to the tolerances below.
@@ -96,6 +102,7 @@ EXTRACTIONS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "bf16": {"dtype": 
 SPECULATIVE = {"eager-tp1": {}, "compiled": {"enforce_eager": False},
                "tp2": {"tensor_parallel_size": 2},
                "compiled-tp2": {"enforce_eager": False, "tensor_parallel_size": 2}}
+CI_SPECULATIVE = {name: SPECULATIVE[name] for name in ("eager-tp1", "compiled", "compiled-tp2")}
 
 
 def options_for(target: Path, model: Model, **change) -> EngineOptions:
@@ -131,7 +138,7 @@ def _extract(request: dict) -> dict:
 
 def _speculative(request: dict) -> dict:
     """One branch: the draft's engine (the aux capture of one prompt when asked, then
-    evaluate's measurement), then the plain engine on the same prompts."""
+    evaluate's measurement), then, when asked, the plain engine on the same prompts."""
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -153,7 +160,8 @@ def _speculative(request: dict) -> dict:
                   request["capture"]["out"])
     result["speculative"] = serve.measure_on(llm, request)
     serve._shutdown(llm)
-    result["plain"] = serve._generate_timed({**request, "draft": None, "k": None})
+    if request.get("plain", True):
+        result["plain"] = serve._generate_timed({**request, "draft": None, "k": None})
     return result
 
 
@@ -214,21 +222,25 @@ def tau_counts(replies: list[dict]):
 
 
 def compare_speculative(branch: dict, reference: dict, resamples: int = 2000) -> dict:
-    """A branch's replies and tau against eager TP=1's on the same prompts."""
+    """A branch's replies and tau against eager TP=1's on the same prompts (its own plain
+    decode's counts are None where the branch ran none)."""
     from draftline.evaluate import stats
     from draftline.evaluate.in_vllm import first_difference
 
     spec = [r["tokens"] for r in branch["speculative"]["replies"]]
-    own_plain, ref_plain = branch["plain"]["tokens"], reference["plain"]["tokens"]
+    ref_plain = reference["plain"]["tokens"]
+    own_plain = branch["plain"]["tokens"] if "plain" in branch else None
     a, b = tau_counts(branch["speculative"]["replies"]), tau_counts(reference["speculative"]["replies"])
     counters = branch["speculative"]["counters"]
     return {
         "replies": len(spec),
-        "equal_to_own_plain": sum(s == p for s, p in zip(spec, own_plain, strict=True)),
+        "equal_to_own_plain": (sum(s == p for s, p in zip(spec, own_plain, strict=True))
+                               if own_plain is not None else None),
         "equal_to_eager_tp1_plain": sum(s == p for s, p in zip(spec, ref_plain, strict=True)),
-        "plain_equal_to_eager_tp1_plain": sum(p == q for p, q in zip(own_plain, ref_plain, strict=True)),
+        "plain_equal_to_eager_tp1_plain": (sum(p == q for p, q in zip(own_plain, ref_plain, strict=True))
+                                           if own_plain is not None else None),
         "first_differences": [{"reply": i, **first_difference(p, s)}
-                              for i, (s, p) in enumerate(zip(spec, own_plain, strict=True)) if s != p],
+                              for i, (s, p) in enumerate(zip(spec, ref_plain, strict=True)) if s != p],
         "drafts": counters["drafts"], "tau": 1 + counters["accepted"] / max(counters["drafts"], 1),
         "tau_minus_eager_tp1": stats.paired_difference(a, b, "tau", resamples, 0.95, 0),
         "engine_start_seconds": branch["engine_start_seconds"],
@@ -238,10 +250,13 @@ def compare_speculative(branch: dict, reference: dict, resamples: int = 2000) ->
 # --------------------------------------------------------------------------- one target
 
 
-def run_model(model: Model, root: Path, branches: dict | None = None, reuse: bool = False) -> dict:
-    """Every branch on one tiny target; results.json in ``root``. ``reuse``: keep the
-    extraction rows and the speculative branches' records an earlier run left in ``root``
-    (the target is rebuilt byte for byte; the comparisons are made again)."""
+def run_model(model: Model, root: Path, branches: dict | None = None, reuse: bool = False,
+              own_plain: bool = False) -> dict:
+    """Every branch on one tiny target (the speculative ones in ``branches``, default all);
+    results.json in ``root``. ``own_plain``: every branch runs its own plain engine, not only
+    eager TP=1. ``reuse``: keep the extraction rows and the speculative branches' records an
+    earlier run left in ``root`` (the target is rebuilt byte for byte; the comparisons are
+    made again)."""
     from safetensors.torch import load_file
     from transformers import GenerationConfig
 
@@ -300,19 +315,28 @@ def run_model(model: Model, root: Path, branches: dict | None = None, reuse: boo
     results["draft_seconds"] = time.monotonic() - started
     capture_prompt = prompts[2]
     measured = {}
-    for name, change in (branches or SPECULATIVE).items():
+    branches = branches or SPECULATIVE
+    if "eager-tp1" not in branches:
+        raise ValueError("the speculative branches are compared with eager-tp1: include it")
+    branches = {"eager-tp1": branches["eager-tp1"], **branches}  # the reference first
+    for name, change in branches.items():
         if name in earlier:
             results["speculative"][name] = earlier[name]
             continue
         options = options_for(target, model, **change)
         request = {"draft": str(draft), "k": K, "prompts": [p.tolist() for p in spec_prompts],
-                   "max_tokens": [SPEC_TOKENS] * SPEC_PROMPTS, "stop_ids": []}
+                   "max_tokens": [SPEC_TOKENS] * SPEC_PROMPTS, "stop_ids": [],
+                   "plain": own_plain or name == "eager-tp1"}
         served_path = root / f"served-{name}.safetensors"
         if name == "compiled":
             request["capture"] = {"prompt": capture_prompt, "out": str(served_path)}
         started = time.monotonic()
         measured[name] = _job("speculative", request, options)
-        record = compare_speculative(measured[name], measured.get("eager-tp1", measured[name]))
+        (root / f"replies-{name}.json").write_text(json.dumps(measured[name]))
+        reference = measured.get("eager-tp1")
+        if reference is None:  # kept by --reuse: its replies, as that run wrote them
+            reference = json.loads((root / "replies-eager-tp1.json").read_text())
+        record = compare_speculative(measured[name], reference)
         record["seconds"] = time.monotonic() - started
         if name == "compiled":
             served = load_file(str(served_path))
@@ -333,7 +357,7 @@ def table(all_results: list[dict]) -> str:
     def worst(values):
         return f"{max(values):.2g}" if values else "-"
 
-    lines = ["| branch | target | extract max rel. vs HF (per slot) | vs TP=1 | spec = plain | "
+    lines = ["| branch | target | extract max rel. vs HF (per slot) | vs TP=1 | spec = eager TP=1 plain | "
              "tau | tau - eager TP=1 [95% CI] | other |",
              "|---|---|---|---|---|---|---|---|"]
     for branch, extraction, speculative in (("TP=2", "tp2", "tp2"), ("bf16", "bf16", None),
@@ -352,10 +376,13 @@ def table(all_results: list[dict]) -> str:
                          + " (HF's own bf16: " + "/".join(f"{t['share_beyond']:.1%}" for t in hf16) + ")"
                          + "; worst token " + f"{max(t['max'] for t in tokens):.2g}")
             vs_tp1 = worst(e.get("vs_tp1", [])) if e else "-"
-            if s:
+            if speculative and not s:
+                spec, tau, diff = "not run (see --branches)", "-", "-"
+            elif s:
                 d = s["tau_minus_eager_tp1"]
-                spec = (f"{s['equal_to_own_plain']}/{s['replies']} "
-                        f"(= eager TP=1 plain {s['equal_to_eager_tp1_plain']}/{s['replies']})")
+                own = ("own plain not run" if s["equal_to_own_plain"] is None
+                       else f"{s['equal_to_own_plain']}/{s['replies']}")
+                spec = f"{s['equal_to_eager_tp1_plain']}/{s['replies']} (= own plain: {own})"
                 tau = f"{s['tau']:.3f}"
                 diff = f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
             else:
@@ -375,12 +402,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--root", default="runs/_branches", type=Path)
     parser.add_argument("--reuse", action="store_true", help="keep extraction rows already in --root")
+    parser.add_argument("--branches", nargs="+", choices=list(SPECULATIVE), default=list(SPECULATIVE),
+                        help="speculative branches (eager-tp1, the reference, always runs)")
+    parser.add_argument("--own-plain", action="store_true",
+                        help="every speculative branch also runs its own plain engine")
     args = parser.parse_args(argv)
     engine.fork_safe_cuda_checks()
     results = []
     for name in args.models:
         started = time.monotonic()
-        results.append(run_model(MODELS[name], args.root / name, reuse=args.reuse))
+        results.append(run_model(MODELS[name], args.root / name, reuse=args.reuse, own_plain=args.own_plain,
+                                 branches={"eager-tp1": {}, **{b: SPECULATIVE[b] for b in args.branches}}))
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
     print(table(results))
     (args.root / "table.md").write_text(table(results) + "\n")
