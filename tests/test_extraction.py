@@ -300,6 +300,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.long  # a child process of its own, about 90 s on 2 cores; CI runs it
 def test_kimi_k25_vision_weights_load_into_vllm_tower(tmp_path):
     """The tower/projector tensors are exactly what vLLM's MoonViT and projector load (after
     KimiK25ForConditionalGeneration's name mapping), and a 2x2-patch image runs through them.

@@ -83,6 +83,7 @@ def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
     assert not (run_dir / "extract" / artifacts.MANIFEST).exists()
 
 
+@pytest.mark.long  # the default tier keeps the extraction case; CI runs this
 def test_a_hanging_tp_rank_ends_extraction_within_the_rank_timeout(tmp_path, model_dir):
     """Rank 1 sleeps in its first capture step without raising: rank 0 waits for it in the
     all-reduce, and only the driver's timeout on the capture call (patches/speculators/0007,
@@ -109,6 +110,7 @@ def test_a_hanging_tp_rank_ends_extraction_within_the_rank_timeout(tmp_path, mod
     assert not (run_dir / "extract" / artifacts.MANIFEST).exists()
 
 
+@pytest.mark.long  # the default tier keeps the extraction case; CI runs this
 def test_a_failing_tp_rank_ends_speculative_decoding(tmp_path, model_dir):
     from test_serving import _save_draft
 

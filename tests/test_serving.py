@@ -6,7 +6,10 @@ Triton kernels of the rejection sampler and of the EAGLE proposer).
 patches/vllm/0003: the CPU rotary kernel on 3-D [tokens, heads, rope_dim] queries.
 
 The engine tests start a few tiny engines once per module (float32, eager); each engine
-answers every question asked of it, so the module costs four engine starts.  The drafts are
+answers every question asked of it. The Llama and Kimi-K2.5 families run here; Kimi-K2.5's
+text model is a tiny DeepseekV3 (``build_tiny_kimi_k25``), so a bare DeepseekV3 family would
+run the same vLLM model code again: it runs in the long tier (tests/test_branches.py and the
+tiny-deepseek rehearsal in tests/test_rehearse.py).  The drafts are
 random (untrained) speculators-format EAGLE-3 drafts: acceptance is low, but greedy
 speculative decoding must still reproduce the non-speculative tokens exactly.
 """
@@ -325,15 +328,6 @@ def llama(tmp_path_factory, engine_env):
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory, engine_env):
-    root = tmp_path_factory.mktemp("dsv3")
-    # rope_scaling=None: plain RotaryEmbedding through vLLM's CPU kernel (patch 0003).
-    target = targets.build_tiny_deepseek_v3(root / "target", num_layers=DSV3_LAYERS)
-    assert targets.load_hf_model(target).config.rope_scaling is None
-    return _family(target, DSV3_AUX_IDS)
-
-
-@pytest.fixture(scope="module")
 def agreeing(tmp_path_factory, engine_env):
     """A Llama target whose lm_head is zero, so its greedy token is always 0 (argmax of equal
     logits), and a draft carrying the same (zero) head: it always proposes draft id 0 =
@@ -371,7 +365,7 @@ def kimi(tmp_path_factory, engine_env):
             "hf": targets.load_hf_kimi_k25_language_model(target)}
 
 
-@pytest.fixture(params=["llama", "deepseek", "kimi"])
+@pytest.fixture(params=["llama", "kimi"])
 def served(request):
     return request.getfixturevalue(request.param)
 
@@ -444,10 +438,12 @@ def test_served_aux_hidden_states_equal_the_extracted_rows(served, request):
     assert max(worst) <= 1e-5, worst
 
 
-def test_deepseek_v3_greedy_replies_match_hf_generate(deepseek):
-    """rope_scaling=None DeepseekV3 through LLM (CPU rotary kernel) equals HF's greedy."""
-    model = targets.load_hf_model(deepseek["target"])
-    for prompt, served_reply in list(zip(_prompts(), deepseek["plain"]["greedy"]))[:4]:
+def test_deepseek_v3_greedy_replies_match_hf_generate(kimi):
+    """Kimi-K2.5's DeepseekV3 text model (rope_scaling=None: plain RotaryEmbedding through
+    vLLM's CPU kernel, patch 0003) served through the wrapper equals HF's greedy."""
+    model = kimi["hf"]
+    assert model.config.rope_scaling is None
+    for prompt, served_reply in list(zip(_prompts(), kimi["plain"]["greedy"]))[:4]:
         # Plain greedy with no stop tokens (the engine ran with ignore_eos=True).
         ids = list(prompt)
         with torch.no_grad():
