@@ -169,14 +169,20 @@ $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json
 # The stages that load the target wait for the rehearsal when its weights exceed
 # rehearse.min_target_gb (or rehearse.enabled=true): extract, regenerate with replies=target,
 # evaluate in vLLM, serve. Order-only: a rehearsal rerun by a code edit never makes a finished
-# extraction stale. Which ones is the config's answer, asked when Make parses (only for goals
-# that may run them: `make help` never composes a config) and cached under runs/$(EXP)/ by
-# file stats, so a repeated `make` stays quick.
+# extraction stale. Which ones is the config's answer, asked when Make parses (for every goal
+# that composes the config: `make help` never does) and cached under runs/$(EXP)/ by file
+# stats, so a repeated `make` stays quick. Asking then also refuses a config mistake (a
+# misspelled key or experiment, a path that does not exist, a required value unset) before any
+# recipe, in the one line `$(error)` prints: a failing recipe would add Make's own line.
 LOADS_TARGET := regenerate extract extract-slice prepare train evaluate report all serve
+COMPOSES := tokenize rehearse status accept $(LOADS_TARGET)
 REHEARSED :=
-ifneq ($(and $(wildcard $(PY)),$(filter $(LOADS_TARGET) $(RUN)/%,$(MAKECMDGOALS))),)
+ifneq ($(and $(wildcard $(PY)),$(filter $(COMPOSES) $(RUN)/%,$(MAKECMDGOALS))),)
 REHEARSED := $(shell $(PY) -m draftline.pipeline.status gate $(EXP) -- $(OVERRIDES))
-ifneq ($(.SHELLSTATUS),0)
+ifeq ($(.SHELLSTATUS),2)
+# The gate printed the mistake, message and hint, as its one line (draftline.pipeline.status main).
+$(error $(REHEARSED))
+else ifneq ($(.SHELLSTATUS),0)
 $(error `draftline.pipeline.status gate $(EXP)` failed (above): cannot tell whether to rehearse first)
 endif
 endif

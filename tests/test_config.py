@@ -31,8 +31,9 @@ def test_kimi_uses_vllm_default_layer_ids():
 
 
 def test_unknown_experiment_is_named():
-    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+    with pytest.raises(config.UserConfigError, match="^EXP=nope: there is no conf/experiment/nope.yaml$") as refused:
         config.experiment_overrides("nope", [])
+    assert refused.value.hint == f"known: {', '.join(EXPERIMENTS)}"
 
 
 def test_a_train_key_changes_only_the_train_stamp():

@@ -7,7 +7,10 @@ overrides.
 
 from __future__ import annotations
 
+import difflib
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -47,17 +50,110 @@ LAUNCH_KEYS = {"extract": ("replicas", "shard"),
 
 
 LOCAL = "local.yaml"  # untracked: this machine's paths (model.path, data.path, ...)
+# Maps whose keys are the user's to choose, so `+data.roles.narrator=assistant` may add one.
+OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt")
 
 
-def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> DictConfig:
-    """The root config for these overrides (the same tree a stage's @hydra.main gets, once
-    ``fill_from_local`` has run on it)."""
+class UserConfigError(ValueError):
+    """A mistake in what the user asked for (a key, an experiment, a path, a required value left
+    unset): the message and its hint say everything a traceback would, so the entry points print
+    those two lines and exit 2 (``refuse``)."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+def refuse(error: Exception, one_line: bool = False) -> NoReturn:
+    """Print a user's mistake and exit 2: message and hint on stderr, or both on one stdout line
+    for Make's parse-time `$(shell ...)` (its `$(error ...)` shows that line and stops)."""
+    hint = getattr(error, "hint", None)
+    if one_line:
+        print(f"draftline: {error}" + (f"; hint: {hint}" if hint else ""))
+    else:
+        print(f"draftline: {error}" + (f"\nhint: {hint}" if hint else ""), file=sys.stderr)
+    sys.exit(2)
+
+
+def _hydra_compose(overrides: list[str], conf_dir: Path) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> DictConfig:
+    """The root config for these overrides (the same tree a stage's @hydra.main gets, once
+    ``fill_from_local`` has run on it). An override naming no config file or no key is a
+    ``UserConfigError`` naming the nearest one; so is a `+key` that adds a key outside OPEN_MAPS,
+    which Hydra would accept silently."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    groups = [o for o in parsed if _is_group(o, conf_dir)]
+    for o in groups:  # Hydra composes `experiment=tinyy` silently: the experiment is optional
+        if (conf_dir / o.key_or_group).is_dir() and isinstance(o.value(), str):
+            check_option(o.key_or_group, o.value(), o.key_or_group, conf_dir)
+    try:
+        cfg = _hydra_compose(overrides, conf_dir)
+    except ConfigCompositionException:
+        check_keys(parsed, groups, conf_dir)
+        raise  # not a mistake check_keys knows: Hydra's own message, with its traceback
+    if any(o.is_add() or o.is_force_add() for o in parsed):
+        check_keys(parsed, groups, conf_dir)
     return fill_from_local(cfg, conf_dir / LOCAL)
+
+
+def _is_group(override, conf_dir: Path) -> bool:
+    key = override.key_or_group
+    return override.package is not None or "/" in key or (conf_dir / key).is_dir()
+
+
+def check_keys(parsed: list, groups: list, conf_dir: Path) -> None:
+    """Refuse a value override (parsed by Hydra) of a key that the config composed from the
+    ``groups`` overrides alone does not have, naming the nearest key."""
+    names = _names(OmegaConf.to_container(_hydra_compose([o.input_line for o in groups], conf_dir)))
+    for o in parsed:
+        key, line = o.key_or_group, o.input_line
+        if o in groups or key.split(".")[0] == "hydra":
+            continue
+        parent, _, leaf = key.rpartition(".")
+        if key in names:
+            if o.is_add():
+                raise UserConfigError(f"{line}: {key} is a config key already", f"set it without the +: {line[1:]}")
+        elif parent in OPEN_MAPS and not o.is_add() and not o.is_force_add():
+            raise UserConfigError(f"{line}: {parent} has no key {leaf}", f"add one with +{line}")
+        elif parent not in OPEN_MAPS:
+            raise UserConfigError(f"{line}: {key} is no config key", nearest_key(key, names))
+
+
+def _names(tree: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of ``tree``, inner nodes and leaves."""
+    out = []
+    for key, value in tree.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            out += _names(value, f"{prefix}{key}.")
+    return out
+
+
+def nearest_key(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return f"did you mean {close[0]}?"
+    return "no key is close; print the composed config: python -m stages.tokenize experiment=EXP --cfg job"
+
+
+def check_option(group: str, option: str, spelled: str, conf_dir: Path = CONF_DIR) -> None:
+    """Refuse ``spelled=option`` when conf/<group>/<option>.yaml does not exist."""
+    if (conf_dir / group / f"{option}.yaml").exists():
+        return
+    known = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    close = difflib.get_close_matches(option, known, n=1)
+    raise UserConfigError(f"{spelled}={option}: there is no conf/{group}/{option}.yaml",
+                          (f"did you mean {spelled}={close[0]}? " if close else "") + f"known: {', '.join(known)}")
 
 
 def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
@@ -84,7 +180,8 @@ def fill_from_local(cfg: DictConfig, local: Path = CONF_DIR / LOCAL) -> DictConf
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
         if not isinstance(node, DictConfig) or leaf not in node.keys():  # `in` is False for ???
-            raise ValueError(f"{local}: {key} is no config key (see conf/ for the keys)")
+            raise UserConfigError(f"{local}: {key} is no config key",
+                                  nearest_key(key, _names(OmegaConf.to_container(cfg))))
         if OmegaConf.is_missing(node, leaf):
             node[leaf] = value
     return cfg
@@ -92,10 +189,37 @@ def fill_from_local(cfg: DictConfig, local: Path = CONF_DIR / LOCAL) -> DictConf
 
 def experiment_overrides(exp: str, extra: list[str]) -> list[str]:
     """`EXP=name` selects conf/experiment/name.yaml; free overrides follow."""
-    if not (CONF_DIR / "experiment" / f"{exp}.yaml").exists():
-        known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-        raise ValueError(f"unknown experiment {exp!r}; known: {known}")
+    check_option("experiment", exp, "EXP")
     return [f"experiment={exp}", *extra]
+
+
+def check(cfg: DictConfig) -> None:
+    """Refuse a config no run can start from, before any library reads it: a required value
+    (``???``) left unset, or a model or data path of the user's that does not exist. Paths
+    under assets_dir are the project's own, built before a stage needs them."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        values = " ".join(f"{key}=..." for key in missing)
+        raise UserConfigError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required and not set",
+                              f'add {values} to the overrides (make: OVERRIDES="{values}"), '
+                              f"or set {them} in the untracked conf/local.yaml")
+    from draftline.tokenize.sources import is_hub_name
+
+    if cfg.model.build is None and _users(cfg.model.path, cfg) and not Path(cfg.model.path).is_dir():
+        raise UserConfigError(f"model.path={cfg.model.path}: no such directory",
+                              "model.path is the target's directory on this machine (config.json, tokenizer, weights)")
+    data = str(cfg.data.path)
+    if cfg.data.build is None and _users(data, cfg) and not Path(data).exists() and not is_hub_name(data):
+        raise UserConfigError(f"data.path={data}: no such file or directory",
+                              "data.path is a JSON, JSONL or parquet file, a datasets save_to_disk "
+                              "directory, or the owner/name of a dataset in the local HF cache")
+
+
+def _users(path: str, cfg: DictConfig) -> bool:
+    """A path outside assets_dir: the user's, which the project never builds."""
+    assets, resolved = Path(cfg.assets_dir).resolve(), Path(path).resolve()
+    return resolved != assets and assets not in resolved.parents
 
 
 def input_fingerprint(path: str | Path) -> dict:

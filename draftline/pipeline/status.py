@@ -123,6 +123,7 @@ def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
         if saved["key"] == _cache_key(argv, saved["inputs"]):
             return
     cfg = config.compose(config.experiment_overrides(exp, overrides))
+    config.check(cfg)
     ensure_assets(cfg)
     inputs = _asset_inputs(cfg)
     artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs})
@@ -134,6 +135,7 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
     from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
+    config.check(cfg)
     check_owned_paths(cfg)
     changed, stamps = [], []
     for stage in config.STAGES:
@@ -183,10 +185,9 @@ def _gate_cache(exp: str) -> Path:
 
 def write_gate(exp: str, overrides: list[str], argv: list[str]) -> list[str]:
     """``rehearsed_targets`` for the experiment, cached by file stats (conf/, code, packages,
-    the model directory): Make asks when it parses, so a repeated `make` must stay quick.
-    Writes only under runs/<exp>/ (a dry run asks too)."""
-    from omegaconf.errors import MissingMandatoryValue
-
+    the model directory, the data): Make asks when it parses, so a repeated `make` must stay
+    quick. Writes only under runs/<exp>/ (a dry run asks too). Refuses what config.check does,
+    so a config mistake stops Make at its parse."""
     from draftline.pipeline import artifacts, config
 
     cache = _gate_cache(exp)
@@ -195,12 +196,11 @@ def write_gate(exp: str, overrides: list[str], argv: list[str]) -> list[str]:
         if saved["key"] == _cache_key(argv, saved["inputs"]):
             return saved["targets"]
     cfg = config.compose(config.experiment_overrides(exp, overrides))
-    try:
-        model_dir = str(cfg.model.path)
-    except MissingMandatoryValue:
-        return []  # nothing to gate yet: the stamping step names the missing value
+    config.check(cfg)  # Make stops at its parse on the same mistakes the stamping step refuses
+    model_dir = str(cfg.model.path)
     targets = rehearsed_targets(cfg)
-    inputs = [model_dir, str(Path(model_dir) / "config.json")]
+    # The data path too: config.check refused it when missing, so must a cached answer.
+    inputs = [model_dir, str(Path(model_dir) / "config.json"), str(cfg.data.path)]
     artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs, "targets": targets})
     return targets
 
@@ -398,14 +398,15 @@ def main() -> None:
         if saved["key"] == _cache_key(argv, saved["inputs"]):
             print(" ".join(saved["targets"]))  # Make's parse asks every time: skip typer and Hydra
             return
+    from draftline.pipeline import config
     from draftline.tiny import embedded
 
     try:
         build_cli()()
-    except (embedded.NotTheEmbeddedPath, NotAProjectPath) as error:
-        # A config mistake, not a failure of the code: its message is the whole story.
-        print(f"draftline: {error}", file=sys.stderr)
-        sys.exit(2)
+    except (embedded.NotTheEmbeddedPath, NotAProjectPath, config.UserConfigError) as error:
+        # A config mistake, not a failure of the code: its message (and hint) is the whole
+        # story, so no traceback. Make's parse reads the gate's stdout: one line there.
+        config.refuse(error, one_line=argv[:1] == ["gate"])
 
 
 if __name__ == "__main__":

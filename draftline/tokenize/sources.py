@@ -209,6 +209,11 @@ def _hub_source(name: str, split: str) -> Source:
 # --------------------------------------------------------------------------- choosing
 
 
+def is_hub_name(label: str) -> bool:
+    """``owner/name``: read as a hub dataset when no such path exists."""
+    return label.count("/") == 1 and not label.startswith((".", "/")) and not label.endswith("/")
+
+
 def open_source(path: str | os.PathLike[str], split: str = "train") -> Source:
     """Resolve ``data.path`` (see the module doc for what each kind of path means)."""
     label = str(path)
@@ -226,7 +231,7 @@ def open_source(path: str | os.PathLike[str], split: str = "train") -> Source:
                           lambda: _json_list_records(local))
         return Source("jsonl", label, (local,), lambda: _jsonl_count(local),
                       lambda: _jsonl_records(local))
-    if label.count("/") == 1 and not label.startswith((".", "/")) and not label.endswith("/"):
+    if is_hub_name(label):
         return _hub_source(label, split)
     raise DataError(f"data.path={label!r}: no such file or directory (and not an owner/name hub id)")
 
