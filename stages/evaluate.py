@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline import artifacts, config
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 
 log = logging.getLogger("draftline.evaluate")
 
@@ -206,4 +206,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

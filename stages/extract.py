@@ -38,7 +38,7 @@ from draftline import engine, formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config, launch
 from draftline.pipeline.progress import TOKENS, Progress
-from draftline.pipeline.stage import run_part, run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_part, run_stage
 
 log = logging.getLogger("draftline.extract")
 REPLICA_ENV = "DRAFTLINE_EXTRACT_REPLICA"  # "r/N" in a replica child, set by its parent
@@ -342,4 +342,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

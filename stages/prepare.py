@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from draftline import prepare
 from draftline.pipeline import artifacts, config
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 
 
 def run(cfg: DictConfig) -> dict:
@@ -44,4 +44,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

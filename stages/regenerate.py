@@ -22,7 +22,7 @@ from draftline import engine, regenerate
 from draftline.formats import read_samples, write_samples
 from draftline.pipeline import artifacts, config
 from draftline.pipeline.progress import Progress
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 from draftline.tokenize import vocab
 
 log = logging.getLogger("draftline.regenerate")
@@ -144,4 +144,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

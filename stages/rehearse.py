@@ -22,7 +22,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 
 
 def run(cfg: DictConfig) -> dict:
@@ -38,4 +38,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

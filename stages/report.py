@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline import artifacts, config
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 
 UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
@@ -63,4 +63,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

@@ -22,6 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline import artifacts, config
+from draftline.pipeline.stage import refuse_mistakes
 
 log = logging.getLogger("draftline.serve")
 API_KEY = "VLLM_API_KEY"  # vLLM reads it from the environment: it never enters argv or a file
@@ -105,4 +106,5 @@ def write_command(cfg: DictConfig, command: list[str], env: dict[str, str],
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

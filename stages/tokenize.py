@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftline.formats import write_flat_samples
 from draftline.pipeline import config
-from draftline.pipeline.stage import run_stage
+from draftline.pipeline.stage import refuse_mistakes, run_stage
 from draftline.tiny import embedded
 from draftline.tokenize import vocab
 from draftline.tokenize.conversations import check_roles
@@ -93,4 +93,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_mistakes()
     main()

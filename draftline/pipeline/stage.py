@@ -25,6 +25,19 @@ def _resumed_deps(stage_dir, resolved: dict) -> dict | None:
     return provenance.get("deps") if provenance.get("config") == resolved else None
 
 
+def refuse_mistakes(argv: list[str] | None = None) -> None:
+    """Before a stage's @hydra.main composes: the refusals `make` gives when it stamps
+    (config.compose, config.check), for a stage run by hand, as two lines and exit 2 instead
+    of Hydra's message or a library's traceback. Costs one more compose (under a second)."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(arg.startswith("-") for arg in args):
+        return  # Hydra's own flags (--cfg, --config-path as `make reproduce` passes): Hydra's to read
+    try:
+        config.check(config.compose(args))
+    except config.UserConfigError as error:
+        config.refuse(error)
+
+
 def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
               parts: Callable[[], list[dict]] = list) -> None:
     """Run ``work`` under the configured numerics; on any exception log the full traceback
