@@ -11,7 +11,7 @@ MAKEFLAGS += --warn-undefined-variables --no-builtin-rules
 # ---- arguments --------------------------------------------------------------------------
 PYTHON ?= python3.11#            interpreter for .venv (the CPU lock is resolved for 3.11)
 VENV ?= .venv#                   the project's virtual environment
-STACK ?= cpu#                    which lock `make setup` installs: cpu or gpu
+STACK ?= $(SET_UP_STACK)#        which lock `make setup` installs: cpu or gpu (default: the one .venv was set up for, else cpu)
 UV_VERSION ?= 0.13.9#            uv used to build .venv and the locks
 LOCK_DATE ?= 2026-11-28#         locks resolve as of this date (reproducible re-locking)
 PYTEST_ARGS ?=#                  extra pytest arguments, e.g. PYTEST_ARGS="-k patchq"
@@ -32,6 +32,16 @@ TOOLS := .tools
 UV := $(shell command -v uv 2>/dev/null || echo $(TOOLS)/bin/uv)
 PATCHES := $(sort $(wildcard patches/speculators/*.diff))#  speculators' queue
 VLLM_PATCHES := $(sort $(wildcard patches/vllm/*.diff))#    vLLM's queue, its sibling
+
+# The stack .venv was set up for (its marker), so a plain `make` on a GPU host keeps the GPU
+# stack rather than syncing the CPU lock over it; asking for the other stack is refused unless
+# the goal is clean or help.
+SET_UP_STACK = $(if $(wildcard $(VENV)/.setup-gpu),gpu,cpu)
+ifneq ($(filter-out help clean lock lock-check lock-drift,$(or $(MAKECMDGOALS),help)),)
+ifneq ($(wildcard $(VENV)/.setup-$(if $(filter gpu,$(STACK)),cpu,gpu)),)
+$(error $(VENV) is set up for the $(if $(filter gpu,$(STACK)),cpu,gpu) stack and STACK=$(STACK) would sync requirements/$(STACK).lock over it: leave STACK unset to keep it, or switch with `make clean` then `make setup STACK=$(STACK)`)
+endif
+endif
 
 # ---- help -------------------------------------------------------------------------------
 # Targets from their `## ` comments, variables from their `?=` lines (default, then the
@@ -71,6 +81,7 @@ $(VENV)/.setup-$(STACK): requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) d
 	$(PY) -m draftline.patchq apply --replace --package vllm
 	purelib=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	  $(PY) -m compileall -q -x '/[.]draftline-pristine/' "$$purelib/speculators" "$$purelib/vllm" >/dev/null
+	rm -f $(VENV)/.setup-$(if $(filter gpu,$(STACK)),cpu,gpu)
 	touch $@
 
 .PHONY: setup

@@ -1,6 +1,7 @@
 """`make help`: every target, every variable with its default, the experiments; plain text
 into a pipe."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -21,3 +22,22 @@ def test_help_lists_every_variable_with_its_default_and_every_experiment_without
     assert sorted(line.split(": ", 1)[1].split()) == experiments
     for target in ("tokenize", "extract", "train", "rehearse", "smoke", "status"):
         assert re.search(rf"^  {target} +\S", out, flags=re.M), target
+
+
+def test_a_venv_set_up_for_gpu_stays_gpu_and_asking_for_cpu_is_refused(tmp_path):
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".setup-gpu").touch()
+    os.utime(venv / ".setup-gpu", (0, 0))  # older than the locks: setup would sync one
+    def dry(*args):
+        return subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}", *args],
+                              cwd=REPO, capture_output=True, text=True)
+    kept = dry()
+    assert kept.returncode == 0, kept.stderr
+    assert "requirements/gpu.lock" in kept.stdout and "requirements/cpu.lock" not in kept.stdout
+    refused = dry("STACK=cpu")
+    assert refused.returncode == 2 and "requirements/cpu.lock" not in refused.stdout
+    assert f"{venv} is set up for the gpu stack" in refused.stderr
+    assert "`make clean` then `make setup STACK=cpu`" in refused.stderr
+    (venv / ".setup-gpu").unlink()  # a fresh or CPU venv: the CPU lock, as before
+    assert "requirements/cpu.lock" in dry().stdout
