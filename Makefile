@@ -9,7 +9,7 @@ MAKEFLAGS += --warn-undefined-variables --no-builtin-rules
 .DEFAULT_GOAL := help
 
 # ---- arguments --------------------------------------------------------------------------
-PYTHON ?= python3.11#            interpreter for .venv (the CPU lock is resolved for 3.11)
+PYTHON ?= $(if $(filter gpu,$(STACK)),python3.12,python3.11)#  interpreter for .venv: each lock's Python (cpu 3.11, gpu 3.12)
 VENV ?= .venv#                   the project's virtual environment
 STACK ?= $(SET_UP_STACK)#        which lock `make setup` installs: cpu or gpu (default: the one .venv was set up for, else cpu)
 UV_VERSION ?= 0.13.9#            uv used to build .venv and the locks
