@@ -600,11 +600,14 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
     # evaluate ran before the gate was configured: its record does not name it.
     artifacts.write_json(run / "evaluate" / artifacts.MANIFEST,
                          {"provenance": {"config": {}, "deps": deps.current({"code": {CODE: None}})}})
+    artifacts.write_json(run / "train" / artifacts.MANIFEST, {"provenance": {"config": {}}})
     assert _main(monkeypatch, status, ["stamp", "tiny"]) == 0
+    # Every stamp is written; only the stages with outputs (a manifest) are named.
     assert capsys.readouterr().out.splitlines() == [
-        f"config changed: {run / stage / name}" for stage in config.STAGES for name in ("config.json", "deps.json")]
+        f"config changed: {run / stage / name}" for stage in ("train", "evaluate") for name in ("config.json", "deps.json")]
+    assert all((run / stage / name).exists() for stage in config.STAGES for name in ("config.json", "deps.json"))
     assert not Path("runs/_assets/conversations.jsonl").exists()  # stamping builds nothing
-    for stage in set(config.STAGES) - {"evaluate"}:
+    for stage in set(config.STAGES) - {"evaluate", "train"}:
         assert artifacts.read_json(run / stage / "deps.json") == {"recorded": None, "why": "the stage has not run"}
     assert artifacts.read_json(run / "evaluate/deps.json") == deps.current(
         {"code": {CODE: None}, "files": {gate: None}})

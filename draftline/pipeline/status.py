@@ -360,9 +360,14 @@ def build_cli():
 
     @app.command()
     def stamp(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
-        """Write <run_dir>/<stage>/config.json for every stage, only where it changed."""
+        """Write <run_dir>/<stage>/config.json for every stage, only where it changed; name
+        the changes that make a stage's earlier outputs stale (a stage that never ran is
+        stale anyway, and `make status` says so: a fresh clone prints nothing here)."""
+        from draftline.pipeline import artifacts
+
         for path in write_stamps(exp, overrides or [], sys.argv[1:]):
-            typer.echo(f"config changed: {path}")
+            if (path.parent / artifacts.MANIFEST).exists():
+                typer.echo(f"config changed: {path}")
 
     @app.command()
     def assets(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
