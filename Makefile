@@ -231,7 +231,7 @@ serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm se
 
 .PHONY: status accept
 status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
-	@$(PY) -m draftline.pipeline.status show $(RUN)
+	@$(PY) -m draftline.pipeline.status show $(RUN) --exp $(EXP)
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }

@@ -698,3 +698,23 @@ def test_deps_cli(tmp_path, capsys):
     for argv in ([], ["files"], ["show"], ["show", "a", "b"], ["other", "x"]):
         with pytest.raises(SystemExit, match="^" + re.escape("usage: python -m draftline.pipeline.deps files MODULE... | show STAGE_DIR") + "$"):
             deps.main(argv)
+
+
+def test_the_summary_names_the_draft_its_tau_the_gate_and_the_next_command(tmp_path):
+    run = tmp_path / "runs/mine"
+    lines = ["  tokenize: up to date", "  rehearse: STALE - never run (no manifest)",
+             "     train: STALE - config changed", "  evaluate: STALE - an upstream stage is stale"]
+    fresh = status.summary(run, "mine", lines)
+    assert fresh == ["     draft: not trained yet", "      next: make train EXP=mine"]
+    (run / "train/abc/draft").mkdir(parents=True)
+    (run / "draft").symlink_to("train/abc/draft")
+    artifacts.write_json(run / "evaluate" / artifacts.MANIFEST, {
+        "offline": {"eagle3": {"tau": 1.9091, "tau_ci": [1.78, 2.064]}},
+        "gate": {"checked": True, "tau_min": 1.8, "baseline": "bigram", "baseline_tau_ci": [1.42, 1.56]}})
+    done = status.summary(run, "mine", ["  tokenize: up to date", "  evaluate: up to date"])
+    assert done == [f"     draft: {run / 'draft'} -> train/abc/draft",
+                    f"       tau: 1.909 [1.780, 2.064] (offline, 95% CI; {run / 'evaluate/results.json'})",
+                    "      gate: passed (floor 1.8; CI above the bigram baseline's [1.420, 1.560])",
+                    "      next: make report EXP=mine (the page), make serve EXP=mine (vLLM with the draft)"]
+    artifacts.write_json(run / "evaluate" / artifacts.MANIFEST, {"gate": {"checked": False}})
+    assert "gate: not checked" in status.summary(run, "mine", [])[1]

@@ -312,6 +312,35 @@ def show_status(run_dir: Path) -> list[str]:
     return lines
 
 
+def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
+    """After the stage lines (``show_status``): where the draft is, its tau and the gate's
+    verdict from evaluate's manifest, and the command to run next."""
+    from draftline.pipeline import artifacts
+
+    out = []
+    draft = run_dir / "draft"
+    out.append(f"     draft: {draft} -> {os.readlink(draft)}" if draft.is_symlink()
+               else "     draft: not trained yet")
+    evaluated = run_dir / "evaluate" / artifacts.MANIFEST
+    if evaluated.exists():
+        manifest = artifacts.read_json(evaluated)
+        tau = manifest.get("offline", {}).get("eagle3", {})
+        gate = manifest.get("gate", {})
+        if tau:
+            out.append(f"       tau: {tau['tau']:.3f} [{tau['tau_ci'][0]:.3f}, {tau['tau_ci'][1]:.3f}] "
+                       f"(offline, 95% CI; {run_dir / 'evaluate' / 'results.json'})")
+        if gate.get("checked"):
+            out.append(f"      gate: passed (floor {gate['tau_min']}; CI above the {gate['baseline']} baseline's "
+                       f"[{gate['baseline_tau_ci'][0]:.3f}, {gate['baseline_tau_ci'][1]:.3f}])")
+        else:
+            out.append("      gate: not checked (this experiment records no floor in evaluate.gate)")
+    stale = [line.split(":")[0].strip() for line in lines if ": STALE" in line]
+    first = next((stage for stage in stale if stage != "rehearse"), None)
+    out.append(f"      next: make {first} EXP={exp}" if first else
+               f"      next: make report EXP={exp} (the page), make serve EXP={exp} (vLLM with the draft)")
+    return out
+
+
 def accept(run_dir: Path, stage: str) -> list[str]:
     """Keep ``stage``'s outputs across the dependency differences found now: record them, who
     and when in its manifest (``accepted``), and make the recorded dependencies the current
@@ -380,9 +409,11 @@ def build_cli():
         typer.echo(" ".join(write_gate(exp, overrides or [], sys.argv[1:])))
 
     @app.command()
-    def show(run_dir: Path) -> None:
-        """One line per stage of RUN_DIR: up to date, or STALE with every reason."""
-        for line in show_status(run_dir):
+    def show(run_dir: Path, exp: str = typer.Option(None, help="the experiment, for the draft, tau and next lines")) -> None:
+        """One line per stage of RUN_DIR: up to date, or STALE with every reason; with --exp,
+        the draft's path, its tau and gate, and the next command."""
+        lines = show_status(run_dir)
+        for line in lines + (summary(run_dir, exp, lines) if exp else []):
             typer.echo(line)
 
     @app.command("accept")
