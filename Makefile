@@ -94,27 +94,32 @@ LOCK_CPU = requirements/cpu.in --override requirements/overrides-cpu.txt \
   --python-version 3.11 --python-platform x86_64-manylinux_2_28 --exclude-newer $(LOCK_DATE)
 LOCK_GPU = requirements/gpu.in --override requirements/overrides-gpu.txt \
   --python-version 3.12 --python-platform x86_64-manylinux_2_28 --exclude-newer $(LOCK_DATE)
-# A lock's first line is the sha256 of what it was resolved from: its .in file, its overrides,
-# the resolver's flags and uv's version. lock-check compares that and never re-resolves: the
-# index gains files dated before LOCK_DATE after a lock is written (httpx 0.29.0, dated
-# 2026-11-26, was not offered on 2026-11-29 when these locks were written, and was on
-# 2026-12-02), so a fresh resolve is not a test of the inputs. `make lock-drift` shows it.
+# requirements/locks.sha256 records, per lock, the sha256 of what it was resolved from (its .in
+# file, its overrides, the resolver's flags and uv's version) and of the lock itself, as
+# `make lock` wrote them. lock-check compares both and never re-resolves: the index gains
+# files dated before LOCK_DATE after a lock is written (httpx 0.29.0, dated 2026-11-26, was not
+# offered on 2026-11-29 when these locks were written, and was on 2026-12-02), so a fresh
+# resolve is not a test of the inputs; `make lock-drift` shows what it would change. The
+# record is a file of its own so the locks (and the images' layers built from them) keep their bytes.
 lock_inputs = $(shell cat $(LOCK_DIR)/$(1).in $(LOCK_DIR)/overrides-$(1).txt \
   | { cat; echo '$(LOCK_$(shell echo $(1) | tr a-z A-Z)) uv $(UV_VERSION)'; } | sha256sum | cut -d' ' -f1)
+lock_record = $(1) inputs=$(call lock_inputs,$(1)) lock=$(firstword $(shell sha256sum $(LOCK_DIR)/$(1).lock))
 
 .PHONY: lock
 lock: | $(UV) ## Regenerate requirements/{cpu,gpu}.lock from their inputs
 	$(UV) pip compile --quiet $(LOCK_CPU) -o requirements/cpu.lock
 	$(UV) pip compile --quiet $(LOCK_GPU) -o requirements/gpu.lock
-	sed -i '1i # inputs-sha256: $(call lock_inputs,cpu)' requirements/cpu.lock
-	sed -i '1i # inputs-sha256: $(call lock_inputs,gpu)' requirements/gpu.lock
+	$(MAKE) --no-print-directory lock-record
+
+.PHONY: lock-record
+lock-record:
+	printf '%s\n' '$(call lock_record,cpu)' '$(call lock_record,gpu)' > $(LOCK_DIR)/locks.sha256
 
 .PHONY: lock-check
-lock-check: ## Fail when a lock was not written from its current inputs (no network)
-	@for l in cpu gpu; do \
-	  want="# inputs-sha256: $$([ $$l = cpu ] && echo $(call lock_inputs,cpu) || echo $(call lock_inputs,gpu))"; \
-	  [ "$$(head -1 $(LOCK_DIR)/$$l.lock)" = "$$want" ] \
-	    || { echo "$(LOCK_DIR)/$$l.lock was not written from its current inputs ($$l.in, overrides-$$l.txt, LOCK_DATE, UV_VERSION): run 'make lock'" >&2; exit 1; }; \
+lock-check: ## Fail when a lock was not written by `make lock` from its current inputs (no network)
+	@for want in '$(call lock_record,cpu)' '$(call lock_record,gpu)'; do \
+	  grep -qxF "$$want" $(LOCK_DIR)/locks.sha256 \
+	    || { l=$${want%% *}; echo "$(LOCK_DIR)/$$l.lock was not written by 'make lock' from its current inputs ($$l.in, overrides-$$l.txt, LOCK_DATE, UV_VERSION) or was edited since: run 'make lock'" >&2; exit 1; }; \
 	done; echo "locks match their inputs"
 
 .PHONY: lock-drift

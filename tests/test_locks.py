@@ -1,4 +1,4 @@
-"""The locks were written from their hand-written inputs (a hash in each lock; no network)."""
+"""The locks were written by `make lock` from their hand-written inputs (requirements/locks.sha256; no network)."""
 
 import shutil
 import subprocess
@@ -26,7 +26,12 @@ def test_an_edited_input_or_another_lock_date_fails_the_check(tmp_path):
         f.write("six==1.16.0\n")
     result = lock_check(f"LOCK_DIR={copy}")
     assert result.returncode != 0
-    assert f"{copy}/gpu.lock was not written from its current inputs" in result.stderr
+    assert f"{copy}/gpu.lock was not written by 'make lock' from its current inputs" in result.stderr
+    shutil.copy(REPO / "requirements/overrides-gpu.txt", copy / "overrides-gpu.txt")
+    assert lock_check(f"LOCK_DIR={copy}").returncode == 0
+    with open(copy / "cpu.lock", "a") as f:  # a lock edited by hand
+        f.write("six==1.16.0\n")
+    assert f"{copy}/cpu.lock was not written" in lock_check(f"LOCK_DIR={copy}").stderr
 
 
 def test_locks_pin_the_stack():
