@@ -121,8 +121,8 @@ def estimate_weight_bytes(config: dict) -> int:
     """The weights' size from config.json's shape, for a directory without weight files yet:
     embeddings, attention (MLA's low-rank projections too) and MLPs (MoE experts, shared ones,
     leading dense layers). A quantized checkpoint's MLP weights are counted at its bit width,
-    everything else at the dtype's: Kimi-K2.5 (INT4 experts) comes to 570 GB against 554 GB on
-    disk, Qwen3-8B to 16.4 GB as on disk."""
+    everything else at the dtype's: Kimi-K2.5 (INT4 experts) comes to 590 GB against the 554 GB
+    its checkpoint is quoted at (549 GiB: the quote may be GiB), Qwen3-8B to 16.4 GB as on disk."""
     text = config.get("text_config", config)
     h, n = int(text["hidden_size"]), int(text["num_hidden_layers"])
     heads = int(text.get("num_attention_heads") or 1)
@@ -303,7 +303,7 @@ def experiment_yaml(facts: Target) -> str:
     draft_vocab = min(DRAFT_VOCAB, facts.vocab_size)
     return "\n".join([
         "# @package _global_",
-        f"# Your own target {facts.name}, written by `make init` (draftline/pipeline/init.py). model.path and",
+        f"# The run on {facts.name}, written by `make init` (draftline/pipeline/init.py). model.path and",
         "# data.path are this machine's: the untracked conf/local.yaml (or OVERRIDES) sets them.",
         "defaults:",
         f"  - override /model: {facts.name}",
