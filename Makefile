@@ -22,6 +22,8 @@ FROM ?=#                         the run dir `make reproduce` replays, e.g. FROM
 FORCE ?=#                        1: `make reproduce` runs despite another revision, lock or patch queue
 GPUS ?=#                         train: processes per host under torchrun (train.gpus), e.g. GPUS=8
 SHARD ?=#                        extract: this host's slice i/N of the shards, no manifest, e.g. SHARD=0/4
+MODEL ?=#                        init: your target's Hugging Face directory, e.g. MODEL=models/Qwen3-8B
+DATA ?=#                         init: your conversations (JSON, JSONL, parquet, datasets dir), e.g. DATA=chats.jsonl
 
 # GPUS joins the overrides, so the train stamp (and Make) see it like any config key.
 ifneq ($(GPUS),)
@@ -128,6 +130,15 @@ lock-drift: | $(UV) ## Re-resolve the locks as of LOCK_DATE and show what the in
 	$(UV) pip compile --quiet --no-header $(LOCK_CPU) -o $$tmp/cpu.lock; \
 	$(UV) pip compile --quiet --no-header $(LOCK_GPU) -o $$tmp/gpu.lock; \
 	for l in cpu gpu; do diff -u <(grep -v '^#' requirements/$$l.lock) $$tmp/$$l.lock || true; done
+
+# ---- your own target --------------------------------------------------------------------
+# conf/model/<name>.yaml and conf/experiment/<name>.yaml from MODEL's config.json, the paths into
+# the untracked conf/local.yaml (draftline/pipeline/init.py); name: EXP when given on the command
+# line, else MODEL's directory name. No stamps: the experiment does not exist until this writes it.
+.PHONY: init
+init: $(VENV)/.setup-$(STACK) ## Write the config of your own target: make init MODEL=<dir> DATA=<file> [EXP=<name>]
+	@[ -n "$(MODEL)" ] && [ -n "$(DATA)" ] || { echo "usage: make init MODEL=<model dir> DATA=<conversations> [EXP=<name>]" >&2; exit 2; }
+	$(PY) -m draftline.pipeline.init $(MODEL) $(DATA) $(if $(filter file,$(origin EXP)),,--name $(EXP))
 
 # ---- pipeline ---------------------------------------------------------------------------
 # Each stage's manifest is its Make target, written last and atomically by the stage. Its

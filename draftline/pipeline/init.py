@@ -1,0 +1,437 @@
+"""`make init MODEL=<dir> DATA=<file> [EXP=<name>]`: the config of your own target.
+
+Writes the tracked conf/model/<name>.yaml and conf/experiment/<name>.yaml from the model
+directory's own config.json, and this machine's paths (model.path, data.path) into the untracked
+conf/local.yaml, never into a tracked file: the experiment leaves them required (``???``) and
+``config.fill_from_local`` fills them. Everything it can check without loading the weights is
+checked first (config.json, the tokenizer and its chat template, the first conversation of the
+data rendered with it), so a mistake is one line and exit 2 here, not a failed stage later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from draftline import target
+from draftline.pipeline.config import CONF_DIR, LOCAL, UserConfigError
+
+# Extraction runs on GPUs of at least this size (GB, 1e9 bytes): the common size of an A100 or
+# H100. Bigger GPUs (141 GB H200) fit more per GPU: lower tensor_parallel_size by hand there.
+GPU_GB = 80
+# Share of a GPU the weights may take: vLLM gets extract.gpu_memory_utilization (0.85) of it,
+# and the KV cache and activations of a 64-sequence prefill batch need the rest.
+WEIGHT_SHARE = 0.6
+MAX_TP = 8  # the GPUs of one host: extraction runs tensor parallel within one host
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # what vLLM runs a target in (bytes)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# Sizes of the one real run the project has configured (conf/experiment/kimi-k2.5.yaml), capped
+# below by the target's context and vocabulary.
+SEQ_LENGTH, MAX_MODEL_LEN, DRAFT_VOCAB = 4096, 8192, 32000
+DATA_FORMATS = ('one record per JSONL line (or a JSON list, parquet, a datasets directory): ShareGPT '
+                '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]} '
+                'or OpenAI {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the two yaml files say about a target, read from its config.json."""
+
+    name: str
+    shape: target.TargetShape
+    dtype: str  # float16 | bfloat16 | float32 | auto
+    remote_code: list[str]  # auto_map references (target.remote_code_references); [] = none
+    weight_bytes: int
+    weights_from: str  # where weight_bytes comes from, for the comment
+    vocab_size: int
+    max_positions: int
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return aux_layer_ids(self.shape.num_layers)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return tensor_parallel_size(self.weight_bytes)
+
+
+# --------------------------------------------------------------------------- reading config.json
+
+
+def experiment_name(model_dir: str | Path) -> str:
+    """The directory's name, lower-cased, other characters than [a-z0-9.-] as '-'; a Hugging
+    Face cache snapshot (models--org--name/snapshots/<hash>) is named after its repository."""
+    path = Path(model_dir).absolute()
+    base = path.name
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        base = path.parent.parent.name.split("--")[-1]
+    return re.sub(r"[^a-z0-9.-]", "-", base.lower()).strip("-.")
+
+
+def aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM 0.16's EAGLE-3 default, (2, n // 2, n - 3) (get_eagle3_aux_hidden_state_layers of
+    its Llama, Qwen, DeepseekV2/V3 models). Below 7 layers it repeats an id, so tiny targets
+    take the three middle layers instead, as conf/model/tiny-*.yaml do."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3:
+        return ids
+    middle = num_layers // 2
+    return [middle - 1, middle, middle + 1]
+
+
+def tensor_parallel_size(weight_bytes: int) -> int:
+    """The smallest power of two of GPU_GB GPUs whose WEIGHT_SHARE holds the weights, up to MAX_TP."""
+    tp = 1
+    while tp < MAX_TP and weight_bytes > tp * GPU_GB * 1e9 * WEIGHT_SHARE:
+        tp *= 2
+    return tp
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """config.json's torch_dtype (``dtype`` from transformers 5 on; a wrapper's text_config's when
+    it has none itself); ``auto`` for anything vLLM does not run a target in."""
+    text = config.get("text_config", {})
+    for source in (config, text):
+        for key in ("torch_dtype", "dtype"):
+            if source.get(key):
+                return source[key] if source[key] in DTYPES else "auto"
+    return "auto"
+
+
+def quantized_bytes(quant: dict | None) -> float | None:
+    """Bytes per quantized weight (one 16-bit scale per group included): compressed-tensors'
+    config_groups, GPTQ/AWQ's bits and group size, or fp8; None when not quantized."""
+    if not quant:
+        return None
+    groups = quant.get("config_groups") or {}
+    weights = next((g["weights"] for g in groups.values() if g.get("weights")), None) or {}
+    bits = weights.get("num_bits") or quant.get("bits") or quant.get("w_bit")
+    group = weights.get("group_size") or quant.get("group_size") or quant.get("q_group_size")
+    if not bits and quant.get("quant_method") == "fp8":
+        bits = 8
+    if not bits:
+        return None
+    return (bits + (16 / group if group and group > 0 else 0)) / 8
+
+
+def estimate_weight_bytes(config: dict) -> int:
+    """The weights' size from config.json's shape, for a directory without weight files yet:
+    embeddings, attention (MLA's low-rank projections too) and MLPs (MoE experts, shared ones,
+    leading dense layers). A quantized checkpoint's MLP weights are counted at its bit width,
+    everything else at the dtype's: Kimi-K2.5 (INT4 experts) comes to 590 GB against the 554 GB
+    its checkpoint is quoted at (549 GiB: the quote may be GiB), Qwen3-8B to 16.4 GB as on disk."""
+    text = config.get("text_config", config)
+    h, n = int(text["hidden_size"]), int(text["num_hidden_layers"])
+    heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or h // heads)
+    if text.get("kv_lora_rank"):  # MLA (DeepseekV2/V3, Kimi): low-rank q and kv projections
+        qk = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
+        q_rank = text.get("q_lora_rank")
+        q = h * q_rank + q_rank * heads * qk if q_rank else h * heads * qk
+        kv = h * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) + \
+            text["kv_lora_rank"] * heads * (text["qk_nope_head_dim"] + text["v_head_dim"])
+        attention = q + kv + heads * text["v_head_dim"] * h
+    else:
+        attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    dense = 3 * h * int(text.get("intermediate_size") or 4 * h)  # gate, up, down
+    experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
+    if experts:
+        width = int(text.get("moe_intermediate_size") or text["intermediate_size"])
+        num_dense = int(text.get("first_k_dense_replace") or 0)
+        mlp = num_dense * dense + (n - num_dense) * 3 * h * width * (experts + int(text.get("n_shared_experts") or 0))
+    else:
+        mlp = n * dense
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    embeddings = int(text.get("vocab_size") or 0) * h * (1 if tied else 2)
+    dtype_bytes = DTYPES.get(checkpoint_dtype(config), 2)
+    mlp_bytes = quantized_bytes(text.get("quantization_config") or config.get("quantization_config")) or dtype_bytes
+    return int((n * attention + embeddings) * dtype_bytes + mlp * mlp_bytes)
+
+
+def describe(name: str, config: dict, remote_code: list[str], weight_bytes: int = 0,
+             weights_from: str = "its weight files") -> Target:
+    """A Target from config.json's values; ``weight_bytes`` 0: estimated from the shape."""
+    text = config.get("text_config", config)
+    shape = target.TargetShape(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                               architecture=(config.get("architectures") or ["unknown"])[0])
+    if not weight_bytes:
+        weight_bytes, weights_from = estimate_weight_bytes(config), "estimated from config.json"
+    return Target(name=name, shape=shape, dtype=checkpoint_dtype(config), remote_code=remote_code,
+                  weight_bytes=weight_bytes, weights_from=weights_from,
+                  vocab_size=int(text.get("vocab_size") or DRAFT_VOCAB),
+                  max_positions=int(text.get("max_position_embeddings") or MAX_MODEL_LEN))
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def read_model(model_dir: Path, name: str):
+    """The Target of ``model_dir`` and its tokenizer, or UserConfigError naming what is missing."""
+    if not model_dir.is_dir():
+        raise UserConfigError(f"MODEL={model_dir}: no such directory",
+                              "MODEL is the target's Hugging Face directory on this machine (config.json, tokenizer, weights)")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise UserConfigError(f"MODEL={model_dir}: no config.json",
+                              "point MODEL at the directory holding config.json (in the HF cache: models--ORG--NAME/snapshots/HASH)")
+    try:
+        config = json.loads(path.read_text())
+        text = config.get("text_config", config)
+        int(text["num_hidden_layers"]), int(text["hidden_size"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise UserConfigError(f"{path}: no num_hidden_layers and hidden_size ({type(error).__name__}: {error})",
+                              "a decoder LLM's config.json names both (a multimodal wrapper's in text_config)") from None
+    if int(text["num_hidden_layers"]) < 4:
+        raise UserConfigError(f"{path}: {text['num_hidden_layers']} layers",
+                              "EAGLE-3 reads three distinct decoder layers past the first: the target needs at least 4")
+    safetensors = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    on_disk = safetensors or target.weight_bytes(model_dir)
+    found = "its safetensors files" if safetensors else "its weight files"
+    facts = describe(name, config, target.remote_code_references(model_dir), on_disk, found)
+    return facts, load_tokenizer(model_dir, bool(facts.remote_code))
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    """The directory's tokenizer, which must have a chat template: tokenize renders every
+    conversation with it (draftline/tokenize/chat.py)."""
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise UserConfigError(f"MODEL={model_dir}: no tokenizer ({', '.join(TOKENIZER_FILES)})",
+                              "copy the checkpoint's tokenizer files next to its config.json")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserConfigError(f"MODEL={model_dir}: its tokenizer does not load ({type(error).__name__}: {first})",
+                              "check the tokenizer files; remote code must be present where auto_map names it") from None
+    if not tokenizer.chat_template:
+        raise UserConfigError(f"MODEL={model_dir}: its tokenizer has no chat template",
+                              "draftline renders every conversation with the target's own template: use the "
+                              "chat/instruct checkpoint's tokenizer, or add its chat_template.jinja to the directory")
+    return tokenizer
+
+
+def check_data(data: str, tokenizer) -> None:
+    """The first record of ``data`` is a conversation tokenize reads, and renders with the
+    target's chat template; the rest is tokenize's business (tokenize.max_skipped)."""
+    from draftline.tokenize.chat import assistant_char_spans
+    from draftline.tokenize.conversations import DataError, RecordSkip, normalize
+    from draftline.tokenize.sources import open_source
+
+    try:
+        where, record, error = next(iter(open_source(data).stream()), (data, None, "no records"))
+    except DataError as exc:
+        raise UserConfigError(f"DATA={data}: {exc}", DATA_FORMATS) from None
+    if error is not None:
+        raise UserConfigError(f"DATA={data}: {where}: {error}", DATA_FORMATS)
+    try:
+        messages = normalize(record).messages
+    except RecordSkip as exc:
+        raise UserConfigError(f"DATA={data}: {where}: {exc}", DATA_FORMATS) from None
+    try:
+        assistant_char_spans(tokenizer, messages, sample=where)
+    except DataError as exc:
+        raise UserConfigError(f"DATA={data}: the target's chat template cannot render it: {exc}",
+                              "the template is the target's: check the record's roles against what it accepts") from None
+
+
+# --------------------------------------------------------------------------- the files
+
+
+def _line(key_value: str, comment: str) -> str:
+    """``key: value`` with its comment at column 27, as conf/ aligns them."""
+    return f"{key_value:<26} # {comment}"
+
+
+def _gb(size: int) -> str:
+    if size < 1e9:
+        return f"{size / 1e6:.0f} MB"
+    return f"{size / 1e9:.1f} GB" if size < 1e11 else f"{size / 1e9:.0f} GB"
+
+
+def model_yaml(facts: Target) -> str:
+    s = facts.shape
+    tp = facts.tensor_parallel_size
+    weights = f"{_gb(facts.weight_bytes)} of weights ({facts.weights_from})"
+    if tp == 1:
+        tp_why = [f"{weights} fit one {GPU_GB} GB GPU (assumed): on a host of N GPUs,",
+                  "extract.replicas=N runs one engine on each."]
+    elif facts.weight_bytes > tp * GPU_GB * 1e9 * WEIGHT_SHARE:
+        tp_why = [f"{weights} leave little room on {tp} {GPU_GB} GB GPUs (assumed):",
+                  "run it on bigger ones (kimi-k2.5 runs on 8 H200s of 141 GB)."]
+    else:
+        tp_why = [f"{weights} over {GPU_GB} GB GPUs (assumed), at most {WEIGHT_SHARE:.0%}",
+                  "of each (the rest holds the KV cache); bigger GPUs need fewer."]
+    if facts.remote_code:
+        remote = "its directory ships Python (auto_map in " + \
+            ", ".join(sorted({r.split(":")[0] for r in facts.remote_code})) + "): read it before you run it"
+    else:
+        remote = "no auto_map in its configs: transformers' and vLLM's own classes"
+    lines = [
+        f"# {s.architecture} target ({s.num_layers} layers, hidden {s.hidden_size}), written by `make init` from its",
+        "# config.json (draftline/pipeline/init.py). Its directory on this machine is model.path in the",
+        "# untracked conf/local.yaml, never here.",
+        f"name: {facts.name}",
+        _line("path: ???", "HF-layout model directory (required: conf/local.yaml or OVERRIDES)"),
+        _line("build: null", "real model: never built"),
+        _line(f"dtype: {facts.dtype}", "torch dtype vLLM runs the target in (config.json's; auto = checkpoint dtype)"),
+        _line(f"trust_remote_code: {str(bool(facts.remote_code)).lower()}", remote),
+        _line(f"num_layers: {s.num_layers}", "decoder layers (checked against config.json)"),
+        _line(f"hidden_size: {s.hidden_size}", "hidden width (checked against config.json)"),
+        _line(f"aux_layer_ids: {facts.aux_layer_ids}",
+              "vLLM's default (2, n//2, n-3)" if facts.aux_layer_ids == [2, s.num_layers // 2, s.num_layers - 3]
+              else "the middle three: vLLM's (2, n//2, n-3) repeats an id below 7 layers"),
+        *(f"# {line}" for line in tp_why),
+        _line(f"tensor_parallel_size: {tp}", "vLLM TP degree (GPUs)"),
+        _line("enforce_eager: null", "null: compiled (torch.compile, CUDA graphs) on GPUs, eager on the CPU engine; true/false forces it"),
+        _line("mla_disable: false", "GPUs run MLA natively (true only on vLLM's CPU platform)"),
+    ]
+    if s.architecture == "KimiK25ForConditionalGeneration":
+        lines.append(_line("limit_mm_per_prompt: {vision_chunk: 0}",
+                           "text-only: vLLM 0.16 gives Kimi-K2.5 one modality, vision_chunk (count per prompt)"))
+    return "\n".join(lines) + "\n"
+
+
+def experiment_yaml(facts: Target) -> str:
+    seq_length = min(SEQ_LENGTH, facts.max_positions // 2)
+    max_model_len = min(MAX_MODEL_LEN, facts.max_positions)
+    draft_vocab = min(DRAFT_VOCAB, facts.vocab_size)
+    return "\n".join([
+        "# @package _global_",
+        f"# The run on {facts.name}, written by `make init` (draftline/pipeline/init.py). model.path and",
+        "# data.path are this machine's: the untracked conf/local.yaml (or OVERRIDES) sets them.",
+        "defaults:",
+        f"  - override /model: {facts.name}",
+        "  - override /data: file",
+        f"exp: {facts.name}",
+        "# Sizes of the kimi-k2.5 experiment (a real target on GPUs), capped by this target's context",
+        f"# ({facts.max_positions} positions) and vocabulary ({facts.vocab_size} tokens). Edit freely.",
+        "tokenize:",
+        _line(f"  seq_length: {seq_length}", "tokens per sample"),
+        _line(f"  draft_vocab_size: {draft_vocab}", "draft vocabulary (tokens)"),
+        "extract:",
+        _line("  token_budget: 65536", "prompt tokens per generate() call (tokens)"),
+        _line("  shard_tokens: 65536", "tokens per safetensors shard"),
+        _line("  max_num_batched_tokens: 16384", "vLLM per-step token budget"),
+        _line(f"  max_model_len: {max_model_len}", "vLLM context length (tokens)"),
+        _line("  max_num_seqs: 64", "vLLM scheduler sequence slots"),
+        _line("  save_dtype: float8_e4m3fn", "half bf16's bytes, acceptance held (conf/experiment/kimi-k2.5.yaml)"),
+        "train:",
+        _line("  max_tokens_per_step: 8192", "packed tokens per optimizer step"),
+        _line("  steps: 20000", "optimizer steps"),
+        _line("  checkpoint_every: 500", "steps between resumable checkpoints"),
+    ]) + "\n"
+
+
+def machine_path(path: str, repo: Path) -> str:
+    """``path`` relative to the checkout when inside it (models/<name> then holds inside the
+    containers too, README), else absolute; a hub dataset name as it is."""
+    local = Path(path)
+    if not local.exists():
+        return path
+    try:
+        return str(local.absolute().relative_to(repo.absolute()))
+    except ValueError:
+        return str(local.absolute())
+
+
+def local_paths(local: Path, wanted: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Put ``wanted`` (model.path, data.path) into conf/local.yaml when it is absent. An existing
+    one is never rewritten: returns what it printed and the OVERRIDES every command then needs
+    (a value there for another target would otherwise fill this experiment's ``???``)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    nested = {}
+    for key, value in wanted.items():
+        group, leaf = key.split(".")
+        nested.setdefault(group, {})[leaf] = value
+    if not local.exists():
+        local.write_text("# This machine's paths (untracked): they fill what an experiment leaves required (???).\n"
+                         + yaml.safe_dump(nested, sort_keys=False))
+        return f"wrote {local} (untracked): {', '.join(f'{k}={v}' for k, v in wanted.items())}", {}
+    loaded = OmegaConf.load(local)
+    have = {key: OmegaConf.select(loaded, key) for key in wanted}
+    todo = {k: v for k, v in wanted.items() if have[k] != v}
+    if not todo:
+        return f"{local} already sets {', '.join(wanted)}", {}
+    clashes = [k for k in todo if have[k] is not None]
+    if clashes:
+        return (f"{local} sets {', '.join(clashes)} for another target and is left as it is: pass this "
+                "target's paths with OVERRIDES on every command below"), todo
+    lines = yaml.safe_dump({g: {leaf: v for leaf, v in leaves.items() if f"{g}.{leaf}" in todo}
+                            for g, leaves in nested.items() if any(f"{g}.{leaf}" in todo for leaf in leaves)},
+                           sort_keys=False)
+    return f"{local} exists and is left as it is; add:\n" + "\n".join("  " + ln for ln in lines.splitlines()), {}
+
+
+def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_DIR) -> list[str]:
+    """Check MODEL and DATA, write the two yaml files and conf/local.yaml; the lines to print."""
+    name = name or experiment_name(model)
+    if not NAME.fullmatch(name):
+        raise UserConfigError(f"EXP={name}: not a config name", "letters, digits, '.', '-' and '_': e.g. EXP=qwen3-8b")
+    files = [conf_dir / "model" / f"{name}.yaml", conf_dir / "experiment" / f"{name}.yaml"]
+    for path in files:
+        if path.exists():
+            raise UserConfigError(f"{path} exists: init never overwrites a config",
+                                  "pick another name with EXP=<name>, or edit that file")
+    facts, tokenizer = read_model(Path(model), name)
+    check_data(data, tokenizer)
+    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts))):
+        path.write_text(text)
+    repo = conf_dir.parent
+    said, overrides = local_paths(conf_dir / LOCAL, {"model.path": machine_path(model, repo),
+                                                     "data.path": machine_path(data, repo)})
+    tail = f' OVERRIDES="{" ".join(f"{k}={v}" for k, v in overrides.items())}"' if overrides else ""
+    lines = [f"wrote {files[0]}: {facts.shape.architecture}, {facts.shape.num_layers} layers, hidden "
+             f"{facts.shape.hidden_size}, aux_layer_ids {facts.aux_layer_ids}, dtype {facts.dtype}, "
+             f"tensor_parallel_size {facts.tensor_parallel_size}, trust_remote_code {str(bool(facts.remote_code)).lower()}",
+             f"wrote {files[1]}", said, "next:", f"  make status EXP={name}{tail}"]
+    if facts.weight_bytes > _min_target_gb(conf_dir) * 1e9:
+        lines.append(f"  make rehearse EXP={name}{tail}   # {_gb(facts.weight_bytes)}: the run's engine code on a miniature first")
+    lines += [f"  make {stage} EXP={name}{tail}" for stage in ("tokenize", "extract")]
+    lines.append(f"  make train EXP={name}{tail}   # the draft lands in runs/{name}/draft")
+    return lines
+
+
+def _min_target_gb(conf_dir: Path) -> float:
+    """rehearse.min_target_gb: above it the stages that load the target wait for the rehearsal."""
+    from omegaconf import OmegaConf
+
+    return float(OmegaConf.load(conf_dir / "rehearse" / "default.yaml").min_target_gb)
+
+
+def build_cli():
+    import typer
+
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    def main(model: str = typer.Argument(..., help="the target's Hugging Face directory (config.json, tokenizer)"),
+             data: str = typer.Argument(..., help="your conversations: JSON, JSONL, parquet, a datasets directory"),
+             name: str = typer.Option(None, help="the experiment and model config's name; default: MODEL's directory name"),
+             conf_dir: Path = typer.Option(CONF_DIR, help="where conf/ is (tests point it at a copy)")) -> None:
+        """Write conf/model/NAME.yaml and conf/experiment/NAME.yaml for your own target, and its
+        paths into the untracked conf/local.yaml."""
+        for line in init(model, data, name, conf_dir):
+            typer.echo(line)
+
+    return app
+
+
+def main() -> None:
+    from draftline.pipeline.config import refuse
+
+    try:
+        build_cli()()
+    except UserConfigError as error:
+        refuse(error)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""`make init` (draftline.pipeline.init) in a copy of conf/: a tiny Llama directory built here and
+the Kimi-K2.5-shaped one in tests/assets become a model and an experiment config that compose,
+with the machine's paths only in conf/local.yaml; every refusal is one line, exit 2, and writes
+nothing."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from typer.testing import CliRunner
+
+from draftline.pipeline import config, init
+from draftline.pipeline.config import UserConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+KIMI = REPO / "tests/assets/kimi-k2.5-shaped"
+CHAT = {"conversations": [{"from": "human", "value": "What does a draft model do?"},
+                          {"from": "gpt", "value": "It proposes tokens that the target verifies."}]}
+# Public config.json values (the model cards' repositories), as `make init` reads them.
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 12288, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from draftline.tiny.targets import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "My_Tiny-Llama", hidden_size=64,
+                            num_layers=8, num_heads=2, num_kv_heads=1, intermediate_size=128)
+
+
+@pytest.fixture
+def conf(tmp_path) -> Path:
+    """The project's conf/ in a checkout-like temporary dir, without the user's local.yaml."""
+    conf = tmp_path / "repo" / "conf"
+    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns(config.LOCAL))
+    return conf
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n")
+    return path
+
+
+def written(conf: Path) -> set[str]:
+    return {str(p.relative_to(conf)) for p in conf.rglob("*.yaml")} - \
+        {str(p.relative_to(config.CONF_DIR)) for p in config.CONF_DIR.rglob("*.yaml")}
+
+
+def test_init_writes_an_experiment_that_composes_with_the_paths_from_local_yaml(tiny, data, conf):
+    result = CliRunner().invoke(init.build_cli(), [str(tiny), str(data), "--conf-dir", str(conf)])
+    assert result.exit_code == 0, result.output
+    assert written(conf) == {"model/my-tiny-llama.yaml", "experiment/my-tiny-llama.yaml", "local.yaml"}
+    cfg = config.compose(["experiment=my-tiny-llama"], conf_dir=conf)
+    assert (cfg.exp, cfg.model.name, cfg.model.path, cfg.data.path) == ("my-tiny-llama", "my-tiny-llama", str(tiny), str(data))
+    assert (cfg.model.num_layers, cfg.model.hidden_size, list(cfg.model.aux_layer_ids)) == (8, 64, [2, 4, 5])
+    assert (cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.tensor_parallel_size) == ("float32", False, 1)
+    assert cfg.model.build is None and cfg.data.build is None and cfg.tokenize.draft_vocab_size == 512
+    config.check(cfg)  # what every stage asks first: nothing required left unset, the paths exist
+    for tracked in ("model/my-tiny-llama.yaml", "experiment/my-tiny-llama.yaml"):
+        assert str(tiny.parent) not in (conf / tracked).read_text() and str(data) not in (conf / tracked).read_text()
+    assert "make train EXP=my-tiny-llama" in result.output and "runs/my-tiny-llama/draft" in result.output
+
+
+def test_the_kimi_shaped_directory_gets_remote_code_and_its_text_config_shape(data, conf):
+    init.init(str(KIMI), str(data), "kimi-mine", conf_dir=conf)
+    model = OmegaConf.load(conf / "model/kimi-mine.yaml")
+    assert (model.trust_remote_code, model.num_layers, model.hidden_size, list(model.aux_layer_ids)) == (True, 61, 7168, [2, 30, 58])
+    assert (model.dtype, model.tensor_parallel_size, dict(model.limit_mm_per_prompt)) == ("bfloat16", 8, {"vision_chunk": 0})
+    assert config.compose(["experiment=kimi-mine"], conf_dir=conf).model.path == str(KIMI)
+
+
+def test_an_existing_config_is_refused_and_nothing_is_written(tiny, data, conf):
+    (conf / "experiment/mine.yaml").write_text("# someone's\n")
+    for name in ("mine", "tiny-llama"):  # an experiment, then a model config of that name
+        with pytest.raises(UserConfigError, match=f"{name}.yaml exists: init never overwrites"):
+            init.init(str(tiny), str(data), name, conf_dir=conf)
+    assert written(conf) == {"experiment/mine.yaml"}
+    # From the command line: the message and its hint, exit 2, no traceback.
+    cli = subprocess.run([sys.executable, "-m", "draftline.pipeline.init", str(tiny), str(data), "--name", "mine",
+                          "--conf-dir", str(conf)], capture_output=True, text=True, cwd=REPO)
+    assert cli.returncode == 2 and cli.stdout == ""
+    assert cli.stderr.splitlines() == [f"draftline: {conf}/experiment/mine.yaml exists: init never overwrites a config",
+                                       "hint: pick another name with EXP=<name>, or edit that file"]
+
+
+def test_a_tokenizer_without_chat_template_is_refused(tiny, data, conf, tmp_path):
+    plain = shutil.copytree(tiny, tmp_path / "base-model")
+    (plain / "chat_template.jinja").unlink()
+    with pytest.raises(UserConfigError, match="its tokenizer has no chat template"):
+        init.init(str(plain), str(data), conf_dir=conf)
+    assert written(conf) == set()
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "a pretraining document"}\n', "record needs exactly one of 'conversations'"),
+    ('{"messages": [{"role": "user", "content": "hi"}\n', "malformed JSON"),
+    ("\n", "no records"),
+])
+def test_data_in_no_known_format_is_refused(tiny, conf, tmp_path, content, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    with pytest.raises(UserConfigError, match=message) as refused:
+        init.init(str(tiny), str(bad), conf_dir=conf)
+    assert "ShareGPT" in refused.value.hint and written(conf) == set()
+
+
+def test_a_local_yaml_of_another_target_is_left_alone_and_the_paths_go_to_overrides(tiny, data, conf):
+    local = conf / config.LOCAL
+    local.write_text("model:\n  path: /models/kimi-k2.5\n")
+    lines = init.init(str(tiny), str(data), "mine", conf_dir=conf)
+    assert local.read_text() == "model:\n  path: /models/kimi-k2.5\n"
+    assert f'  make tokenize EXP=mine OVERRIDES="model.path={tiny} data.path={data}"' in lines
+    local.write_text("seed: 1\n")  # no paths yet: the lines to add are printed, the file kept
+    lines = init.init(str(tiny), str(data), "other", conf_dir=conf)
+    assert local.read_text() == "seed: 1\n" and "  make tokenize EXP=other" in lines
+    assert f"    path: {tiny}" in "\n".join(lines)
+
+
+def test_aux_ids_tensor_parallel_size_and_the_weight_estimate():
+    assert [init.aux_layer_ids(n) for n in (32, 36, 61, 6, 4)] == [[2, 16, 29], [2, 18, 33], [2, 30, 58], [2, 3, 4], [1, 2, 3]]
+    assert [init.tensor_parallel_size(int(gb * 1e9)) for gb in (16, 48, 49, 141, 570)] == [1, 1, 2, 4, 8]
+    assert init.estimate_weight_bytes(QWEN3_8B) == pytest.approx(16.4e9, rel=0.01)  # 16.4 GB on disk
+    kimi = json.loads((KIMI / "config.json").read_text())
+    assert init.estimate_weight_bytes(kimi) == pytest.approx(554e9, rel=0.07)  # 554 GB quoted, INT4 experts
+    snapshot = Path("/cache/models--Qwen--Qwen3-8B/snapshots/0123abc")
+    assert init.experiment_name(snapshot) == "qwen3-8b" and init.experiment_name("/m/Llama_3.1 8B") == "llama-3.1-8b"
+
+
+@pytest.mark.parametrize("name, layers", [("qwen3-8b", 36), ("llama-3.1-8b", 32)])
+def test_the_shipped_examples_compose_with_vllms_aux_ids(name, layers):
+    cfg = config.compose([f"experiment={name}", "model.path=/m", "data.path=/d"])
+    assert (cfg.exp, cfg.model.name, cfg.model.num_layers) == (name, name, layers)
+    assert list(cfg.model.aux_layer_ids) == init.aux_layer_ids(layers)
+    assert OmegaConf.is_missing(OmegaConf.load(config.CONF_DIR / f"model/{name}.yaml"), "path")
