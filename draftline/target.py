@@ -64,7 +64,11 @@ def read_target_shape(model_dir: str | Path) -> TargetShape:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"target model config not found: {path}")
-    config = json.loads(path.read_text())
+    return shape_of(json.loads(path.read_text()))
+
+
+def shape_of(config: dict) -> TargetShape:
+    """The TargetShape of a parsed config.json (text_config for wrappers)."""
     text = config.get("text_config", config)
     return TargetShape(
         num_layers=int(text["num_hidden_layers"]),
@@ -78,12 +82,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def weight_bytes(model_dir: str | Path) -> int:
-    """Total size of the directory's weight files (top level, as HF checkpoints lay them out);
-    0 for a directory that does not exist yet (a tiny target not built yet)."""
+    """Total size of the directory's weight files (top level, as HF checkpoints lay them out):
+    its safetensors files when it has any (vLLM loads those; a checkpoint that ships the same
+    weights as .bin too is counted once), else its other weight files; 0 for a directory that
+    does not exist yet (a tiny target not built yet)."""
     root = Path(model_dir)
     if not root.is_dir():
         return 0
-    return sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    files = [p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+    safetensors = [p for p in files if p.suffix == ".safetensors"]
+    return sum(p.stat().st_size for p in safetensors or files)
 
 
 # Files of a model directory that record how the project built it (with timings), not what the

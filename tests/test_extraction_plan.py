@@ -85,6 +85,16 @@ def test_the_target_shape_comes_from_config_json(model_dir, tmp_path):
         target.read_target_shape(tmp_path / "missing")
 
 
+def test_weights_shipped_as_safetensors_and_bin_count_once(tmp_path):
+    assert target.weight_bytes(tmp_path / "missing") == 0
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 300)
+    assert target.weight_bytes(tmp_path) == 300  # .bin alone: what there is
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 50)
+    (tmp_path / "config.json").write_text("{}")
+    assert target.weight_bytes(tmp_path) == 150  # what vLLM loads, not both copies
+
+
 def test_a_config_without_architectures_reads_as_unknown(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8}))
     assert target.read_target_shape(tmp_path).architecture == "unknown"

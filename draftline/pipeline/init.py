@@ -156,8 +156,7 @@ def describe(name: str, config: dict, remote_code: list[str], weight_bytes: int 
              weights_from: str = "its weight files") -> Target:
     """A Target from config.json's values; ``weight_bytes`` 0: estimated from the shape."""
     text = config.get("text_config", config)
-    shape = target.TargetShape(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                               architecture=(config.get("architectures") or ["unknown"])[0])
+    shape = target.shape_of(config)
     if not weight_bytes:
         weight_bytes, weights_from = estimate_weight_bytes(config), "estimated from config.json"
     return Target(name=name, shape=shape, dtype=checkpoint_dtype(config), remote_code=remote_code,
@@ -181,17 +180,15 @@ def read_model(model_dir: Path, name: str):
     try:
         config = json.loads(path.read_text())
         text = config.get("text_config", config)
-        int(text["num_hidden_layers"]), int(text["hidden_size"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        target.shape_of(config)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise UserConfigError(f"{path}: no num_hidden_layers and hidden_size ({type(error).__name__}: {error})",
                               "a decoder LLM's config.json names both (a multimodal wrapper's in text_config)") from None
     if int(text["num_hidden_layers"]) < 4:
         raise UserConfigError(f"{path}: {text['num_hidden_layers']} layers",
                               "EAGLE-3 reads three distinct decoder layers past the first: the target needs at least 4")
-    safetensors = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    on_disk = safetensors or target.weight_bytes(model_dir)
-    found = "its safetensors files" if safetensors else "its weight files"
-    facts = describe(name, config, target.remote_code_references(model_dir), on_disk, found)
+    found = "its safetensors files" if any(model_dir.glob("*.safetensors")) else "its weight files"
+    facts = describe(name, config, target.remote_code_references(model_dir), target.weight_bytes(model_dir), found)
     return facts, load_tokenizer(model_dir, bool(facts.remote_code))
 
 
