@@ -198,19 +198,18 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise UserConfigError(f"MODEL={model_dir}: no tokenizer ({', '.join(TOKENIZER_FILES)})",
                               "copy the checkpoint's tokenizer files next to its config.json")
-    from transformers import AutoTokenizer
+    from draftline.tokenize import encode
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        return encode.load_tokenizer(str(model_dir), trust_remote_code)  # as tokenize will load it
+    except encode.NoChatTemplate:
+        raise UserConfigError(f"MODEL={model_dir}: its tokenizer has no chat template",
+                              "draftline renders every conversation with the target's own template: use the "
+                              "chat/instruct checkpoint's tokenizer, or add its chat_template.jinja to the directory") from None
     except (OSError, ValueError, ImportError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UserConfigError(f"MODEL={model_dir}: its tokenizer does not load ({type(error).__name__}: {first})",
                               "check the tokenizer files; remote code must be present where auto_map names it") from None
-    if not tokenizer.chat_template:
-        raise UserConfigError(f"MODEL={model_dir}: its tokenizer has no chat template",
-                              "draftline renders every conversation with the target's own template: use the "
-                              "chat/instruct checkpoint's tokenizer, or add its chat_template.jinja to the directory")
-    return tokenizer
 
 
 def check_data(data: str, tokenizer) -> None:

@@ -40,13 +40,17 @@ BATCH = 32  # conversations per worker task: large enough to amortise pickling, 
 TASKS_PER_WORKER = 4  # tasks in flight per worker: bounds memory while keeping workers busy
 
 
+class NoChatTemplate(ValueError):
+    """The target's tokenizer has no chat template: tokenize renders every conversation with it."""
+
+
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     trust = target.check(model_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     if not tokenizer.chat_template:
-        raise ValueError(f"{model_dir}: tokenizer has no chat_template")
+        raise NoChatTemplate(f"{model_dir}: tokenizer has no chat_template")
     return tokenizer
 
 
