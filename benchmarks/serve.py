@@ -12,13 +12,19 @@ spec-decode counters (tau = 1 + accepted / drafts, acceptance per position) and,
 `make evaluate` has run, the offline tau on the same replies.  Repeats alternate the two
 engines and report medians.  On CPU the numbers check the path, not the speed: a tiny
 target's forward costs about what the draft's does, so expect no speed-up there.
+
+The result is kept in <run_dir>/benchmarks/serve.json under the draft's hash
+(draftline.evaluate.speedup), where `make report` shows it for that draft.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -58,6 +64,7 @@ def main() -> None:
     from dataclasses import replace
 
     from draftline import engine, regenerate, serve
+    from draftline.evaluate import speedup
     from draftline.evaluate.rollout import num_speculative_tokens
     from draftline.pipeline import artifacts, config
 
@@ -100,6 +107,25 @@ def main() -> None:
         offline = evaluated["offline"]["eagle3"]
         print(f"offline tau (make evaluate, held-out split): {offline['tau']:.3f} "
               f"[{offline['tau_ci'][0]:.3f}, {offline['tau_ci'][1]:.3f}]")
+    kept = speedup.record(run_dir, draft, {
+        "speedup": rate["with draft"] / rate["target alone"], "tokens_per_second": rate,
+        "repeats": args.repeats, "prompts": len(prompts), "max_num_seqs": args.max_num_seqs,
+        "identical_outputs": [identical, len(prompts)], "vllm_tau": tau, "k": k,
+        "device": device_name(options), "measured": datetime.datetime.now(datetime.UTC).isoformat(
+            timespec="seconds"), "command": " ".join(["python -m benchmarks.serve", *sys.argv[1:]])})
+    print(f"kept in {kept} under the draft's hash (make report EXP={args.exp} shows it)")
+
+
+def device_name(options) -> str:
+    """What the engines ran on, as the report labels the speed-up: a CPU figure says so."""
+    import torch
+
+    from draftline.engine import cuda_available
+
+    if not cuda_available():
+        return f"CPU ({os.cpu_count()} cores)"
+    gpus = int(options.tensor_parallel_size)
+    return f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus > 1 else torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":

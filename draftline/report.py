@@ -31,6 +31,17 @@ STEP_LINE = re.compile(r"(?:train (\d+)/(\d+) steps \([^)]*\) \||step (\d+)/(\d+
                        r"\| (.*?) \| lr")
 TTT_PART = re.compile(r"ttt(\d+) loss ([0-9.eE+-]+) acc ([0-9.eE+-]+) cond ([0-9.eE+-]+)")
 COLORS = {"eagle3": "#1f77b4", "bigram": "#ff7f0e", "most_frequent": "#7f7f7f"}
+# One name per method on the page: evaluate's result keys -> what the page calls them.
+METHODS = {"eagle3": "EAGLE-3 draft", "bigram": "bigram baseline", "most_frequent": "most-frequent baseline"}
+
+
+def method(name: str) -> str:
+    return METHODS.get(name, name)
+
+
+def ordered(offline: dict) -> list[str]:
+    """The draft first, then the baselines from the highest tau down (cards, tables, figure)."""
+    return sorted(offline, key=lambda name: (name != "eagle3", -offline[name]["tau"]))
 
 
 @dataclasses.dataclass
@@ -129,7 +140,7 @@ def training_figure(train: dict, history: list[dict], source: str, dpi: int) -> 
 def acceptance_figure(evaluation: dict, dpi: int) -> Figure:
     """Per-position conditional acceptance and tau, trained draft vs baselines, with CIs."""
     offline = evaluation["offline"]
-    names = list(offline)
+    names = ordered(offline)
     k = int(evaluation["k"])
     fig, (ax_pos, ax_tau) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=dpi,
                                          gridspec_kw={"width_ratios": [3, 2]})
@@ -140,19 +151,19 @@ def acceptance_figure(evaluation: dict, dpi: int) -> Figure:
         values = [0.0 if v != v else v for v in result["acceptance"]]  # NaN (never reached) -> 0
         bounds = list(zip(values, result["acceptance_ci"], strict=True))
         errors = [[max(0.0, v - lo) for v, (lo, _) in bounds], [max(0.0, hi - v) for v, (_, hi) in bounds]]
-        ax_pos.bar(xs, values, width, yerr=errors, capsize=3, label=name,
+        ax_pos.bar(xs, values, width, yerr=errors, capsize=3, label=method(name),
                    color=COLORS.get(name, None))
     ax_pos.set(xlabel="draft position j", ylabel="P(accept j | accepted 1..j-1)", ylim=(0, 1.05),
                xticks=range(1, k + 1), title="per-position conditional acceptance (offline)")
     labels, taus, errs, colors = [], [], [[], []], []
     for name in names:
         r = offline[name]
-        labels.append(name), taus.append(r["tau"]), colors.append(COLORS.get(name, "#999999"))
+        labels.append(method(name)), taus.append(r["tau"]), colors.append(COLORS.get(name, "#999999"))
         errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
     measured = evaluation.get("in_vllm")
     if measured:
         r = measured["vllm"]
-        labels.append("in vLLM (held-out prompts)"), taus.append(r["tau"]), colors.append("#2ca02c")
+        labels.append(f"{method('eagle3')} in vLLM"), taus.append(r["tau"]), colors.append("#2ca02c")
         errs[0].append(r["tau"] - r["tau_ci"][0]), errs[1].append(r["tau_ci"][1] - r["tau"])
     ax_tau.bar(range(len(labels)), taus, yerr=errs, capsize=4, color=colors)
     ax_tau.set_xticks(range(len(labels)), labels, rotation=25, ha="right", fontsize=8)
@@ -198,8 +209,10 @@ def extraction_figure(extract: dict, dpi: int) -> Figure:
     ax.set(xlabel="shard", ylabel="tokens/s" if timed else "tokens",
            title="extraction per shard" + ("" if timed else " (no per-shard timing recorded)"))
     ax.grid(alpha=0.3, axis="y")
-    return Figure("extraction.png", _png(fig), "Per-shard throughput (tokens / seconds of that "
-                  "shard's generate calls), shards in extraction order" if timed else
+    return Figure("extraction.png", _png(fig), "Per-shard throughput: tokens / seconds of that "
+                  "shard's generate calls, shards in extraction order. The run's overall rate is lower: "
+                  "it counts from before the engine started (the target's load) to the last shard, "
+                  "with the writes of the shards between." if timed else
                   "Tokens per shard; the extract manifest records only the run's overall tokens/s.")
 
 
@@ -228,14 +241,15 @@ def ci(values: list[float]) -> str:
 
 def acceptance_rows(evaluation: dict) -> list[list[Any]]:
     rows = []
-    for name, r in evaluation["offline"].items():
-        rows.append([name, "offline (stored states)", r["tau"], ci(r["tau_ci"]),
+    for name in ordered(evaluation["offline"]):
+        r = evaluation["offline"][name]
+        rows.append([method(name), "offline (stored states)", r["tau"], ci(r["tau_ci"]),
                      ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
     measured = evaluation.get("in_vllm")
     if measured:
         for label, r in (("vLLM's own speculative decoding, held-out prompts", measured["vllm"]),
                          ("offline on the same replies", measured["offline"])):
-            rows.append(["eagle3", label, r["tau"], ci(r["tau_ci"]),
+            rows.append([method("eagle3"), label, r["tau"], ci(r["tau_ci"]),
                          ", ".join(f"{a:.3f}" for a in r["acceptance"]), r["steps"]])
     return rows
 
@@ -269,19 +283,22 @@ def provenance_rows(manifests: dict[str, dict]) -> list[list[Any]]:
             for stage, m in manifests.items()]
 
 
-def _stack(provenance: dict) -> tuple[str, str]:
+def _patches(applied: list[dict] | None) -> str:
+    return ", ".join(f"{x['name']} (sha256 {x.get('sha256', '')[:12]})" for x in (applied or [])) \
+        or "none recorded"
+
+
+def _stack(provenance: dict) -> tuple[str, str, str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(provenance["versions"].items()))
-    patches = ", ".join(f"{x['name']} (sha256 {x.get('sha256', '')[:12]})"
-                        for x in (provenance.get("patches") or [])) or "none recorded"
-    return versions, patches
+    return versions, _patches(provenance.get("patches")), _patches(provenance.get("vllm_patches"))
 
 
 def stack_rows(manifests: dict[str, dict]) -> list[list[Any]]:
-    """Package versions and applied patches, once per distinct stack (stages listed)."""
-    stacks: dict[tuple[str, str], list[str]] = {}
+    """Package versions and both patch queues as applied, once per distinct stack (stages listed)."""
+    stacks: dict[tuple[str, str, str], list[str]] = {}
     for stage, manifest in manifests.items():
         stacks.setdefault(_stack(manifest["provenance"]), []).append(stage)
-    return [[", ".join(stages), versions, patches] for (versions, patches), stages in stacks.items()]
+    return [[", ".join(stages), *stack] for stack, stages in stacks.items()]
 
 
 STYLE = """
@@ -292,22 +309,71 @@ h1{font-size:1.6em;margin-bottom:0}h2{border-bottom:1px solid #ddd;padding-botto
 th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}th{background:#f4f4f4}
 figure{margin:8px 0 20px}img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:0.85em}
 .kpi{display:inline-block;margin:6px 18px 6px 0;padding:8px 14px;background:#f6f8fa;border-radius:6px}
-.kpi b{font-size:1.4em;display:block}.ok{color:#1a7f37}.bad{color:#cf222e}code{font-size:0.9em}
+.kpi b{font-size:1.4em;display:block}.kpi small{display:block;font-size:0.62em;font-weight:normal;
+color:#555;max-width:300px}.ok{color:#1a7f37}.bad{color:#cf222e}code{font-size:0.9em}
 """
 
 
-def kpis(evaluation: dict, data: dict, extract: dict) -> str:
+def gate_text(gate: dict) -> str:
+    """evaluate's gate verdict (stages.evaluate.judge) for the card: what it held the draft to."""
+    baseline, floor = gate.get("baseline") or {}, gate.get("floor") or {}
+    held = []
+    if baseline.get("checked"):
+        held.append(f"CI above {html.escape(method(baseline['best']))}'s")
+    if floor.get("checked"):
+        held.append(f"&ge; floor {floor['tau_min']}")
+    verdict = ("<span class='ok'>passed</span>" if gate.get("passed") else
+               "<span class='bad'>FAILED</span>") if gate.get("checked") else "not checked"
+    note = "; ".join(held)
+    if baseline and not baseline.get("checked"):
+        note = "; ".join([*held, f"baseline check off: {html.escape(baseline['off_because'])}"])
+    return f"{verdict}<small>{note}</small>"
+
+
+def speedup_text(speedup: dict | None, exp: str) -> str:
+    """benchmarks.serve's result for this draft (draftline.serve.read_speedup), for the card."""
+    if not speedup:
+        return (f"not measured<small><code>python -m benchmarks.serve --exp {html.escape(exp)}</code>"
+                "</small>")
+    rates = speedup["tokens_per_second"]
+    note = (f"{html.escape(speedup['device'])}: {rates['with draft']:.0f} vs {rates['target alone']:.0f} "
+            f"output tok/s, median of {speedup['repeats']}")
+    if speedup["device"].startswith("CPU"):
+        note += "; on CPU this checks the path, no speed-up is expected"
+    return f"{speedup['speedup']:.2f}x<small>{note}</small>"
+
+
+def extraction_text(extract: dict) -> str:
+    overall, in_generate = extraction_rates(extract)
+    alone = f"{in_generate:.0f} tok/s in generate calls alone" if in_generate else ""
+    if not overall:  # every shard was on disk already: this run extracted nothing
+        return (f"{in_generate:.0f} tok/s<small>in generate calls alone, as the shards recorded them; "
+                f"this run resumed all {len(extract['shards'])} shards</small>" if in_generate else
+                f"resumed<small>all {len(extract['shards'])} shards were on disk</small>")
+    return f"{overall:.0f} tok/s<small>whole run, target load included" + (f"; {alone}" if alone else "") + "</small>"
+
+
+def extraction_rates(extract: dict) -> tuple[float, float | None]:
+    """The run's overall tokens/s (from before the engine started to the last shard) and the
+    generate calls' alone (the shards' tokens over their seconds), where the shards record them."""
+    timed = [s for s in extract["shards"] if "seconds" in s]
+    in_generate = (sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
+                   if timed and sum(s["seconds"] for s in timed) > 0 else None)
+    return float(extract["tokens_per_second"]), in_generate
+
+
+def kpis(evaluation: dict, data: dict, extract: dict, speedup: dict | None = None, exp: str = "") -> str:
     off = evaluation["offline"]
-    gate = evaluation.get("gate") or {}
-    gate_text = ("not configured" if not gate.get("checked") else
-                 f"<span class='ok'>passed</span> (&ge; {gate['tau_min']})" if gate["passed"] else
-                 f"<span class='bad'>FAILED</span> (&lt; {gate['tau_min']})")
-    items = [("tau, trained draft", f"{off['eagle3']['tau']:.3f} {ci(off['eagle3']['tau_ci'])}"),
-             ("tau, bigram baseline", f"{off['bigram']['tau']:.3f}"),
-             ("tau, most-frequent baseline", f"{off['most_frequent']['tau']:.3f}"),
-             ("draft vocab coverage", f"{data['draft_vocab_coverage']:.1%}"),
-             ("extraction", f"{extract['tokens_per_second']:.0f} tok/s"),
-             ("tau gate", gate_text)]
+    items = [(f"tau, {method(name)}", f"{off[name]['tau']:.3f} {ci(off[name]['tau_ci'])}") for name in ordered(off)]
+    versus = evaluation.get("versus_best_baseline")
+    if versus:
+        items.append((f"draft minus {method(versus['baseline'])}",
+                      f"{versus['difference']:+.3f} {ci(versus['ci'])}<small>tau, paired over the same "
+                      "held-out samples</small>"))
+    items += [("speed-up in vLLM", speedup_text(speedup, exp)),
+              ("draft vocab coverage", f"{data['draft_vocab_coverage']:.1%}"),
+              ("extraction", extraction_text(extract)),
+              ("gate", gate_text(evaluation.get("gate") or {}))]
     return "".join(f"<div class='kpi'>{html.escape(label)}<b>{value}</b></div>" for label, value in items)
 
 
@@ -322,7 +388,8 @@ def target_html(build: dict | None) -> str:
 
 
 def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: dict[str, Figure],
-           history_source: str, target_build: dict | None = None) -> str:
+           history_source: str, target_build: dict | None = None, speedup: dict | None = None,
+           exp: str = "") -> str:
     data, extract, train = manifests["regenerate"], manifests["extract"], manifests["train"]
     metrics = train["metrics"]
     ttt = sorted({int(k.split("_")[-1]) for k in metrics["final"] if k.startswith("loss_")})
@@ -346,7 +413,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
         f"<code>{html.escape(str(extract['target']))}</code>"
         f" &middot; draft <code>{html.escape(evaluation['draft'])}</code> &middot; k = {evaluation['k']}"
         f" &middot; {evaluation['held_out_samples']} held-out samples</p>" + target_html(target_build),
-        kpis(evaluation, data, extract),
+        kpis(evaluation, data, extract, speedup, exp),
         "<h2>Training</h2>", figure_html(figures["training"]),
         table(ttt_rows, ["", "final loss", "final accuracy", "validation loss",
                          "validation accuracy", "validation cond. accuracy"]),
@@ -371,13 +438,18 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
                 f"{evaluation['draft_vocab_coverage_of_greedy']:.2%}"]], ["", "value"]),
         "<h2>Extraction</h2>", figure_html(figures["extraction"]),
         table([["tokens", extract["num_tokens"]], ["samples", extract["num_samples"]],
-               ["shards", len(extract["shards"])], ["tokens/s (this run)", extract["tokens_per_second"]],
+               ["shards", len(extract["shards"])],
+               ["tokens/s, whole run (from before the target loaded to the last shard)",
+                extraction_rates(extract)[0]],
+               ["tokens/s, generate calls alone (the shards' tokens / their seconds; the chart)",
+                extraction_rates(extract)[1] or "not recorded"],
                ["resumed shards", extract.get("resumed_shards", "")],
                ["bytes per token on disk", extract["bytes_per_token"]["on_disk"]],
                ["wall seconds", extract.get("wall_seconds", "")]], ["extraction", "value"]),
         "<h2>Loadability</h2>", vllm_html,
         "<h2>Provenance</h2>",
-        table(stack_rows(manifests), ["stages", "versions", "speculators patches applied"]),
+        table(stack_rows(manifests), ["stages", "versions", "speculators patches applied",
+                                      "vLLM patches applied"]),
         table(provenance_rows(manifests), ["stage", "config sha256", "git", "python", "host", "wall s"]),
     ]
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"

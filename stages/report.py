@@ -21,6 +21,7 @@ UPSTREAM = ("tokenize", "regenerate", "extract", "prepare", "train", "evaluate")
 
 def run(cfg: DictConfig) -> dict:
     from draftline import formats, report
+    from draftline.evaluate import speedup as serving
 
     manifests = {stage: artifacts.read_manifest(config.stage_dir(cfg, stage)) for stage in UPSTREAM}
     evaluation = {**artifacts.read_json(config.stage_dir(cfg, "evaluate") / manifests["evaluate"]["results"]),
@@ -43,8 +44,11 @@ def run(cfg: DictConfig) -> dict:
     # A target trained by draftline.tiny.trained carries its build record.
     build = Path(manifests["extract"]["target"]) / "build.json"
     target_build = artifacts.read_json(build) if build.exists() else None
+    # benchmarks.serve's measurement of this very draft, when it ran (draftline.evaluate.speedup).
+    speedup = serving.read(cfg.run_dir, evaluation["draft"])
     with artifacts.atomic_path(out_dir / "index.html") as tmp:
-        tmp.write_text(report.render(title, manifests, evaluation, figures, source, target_build))
+        tmp.write_text(report.render(title, manifests, evaluation, figures, source, target_build,
+                                     speedup, str(cfg.exp)))
     files = ["index.html", *(f.name for f in figures.values())]
     return {
         "page": "index.html",
@@ -53,7 +57,10 @@ def run(cfg: DictConfig) -> dict:
         "inputs": {f"{stage}_manifest_sha256":
                    artifacts.sha256_file(config.stage_dir(cfg, stage) / artifacts.MANIFEST)
                    for stage in UPSTREAM},
-        "skipped": [] if history else [{"what": "per-TTT training curves", "reason": source}],
+        "speedup": speedup,
+        "skipped": ([] if history else [{"what": "per-TTT training curves", "reason": source}])
+        + ([] if speedup else [{"what": "serving speed-up", "reason": "benchmarks.serve has not measured "
+                                "this draft (python -m benchmarks.serve --exp " + str(cfg.exp) + ")"}]),
     }
 
 

@@ -26,7 +26,7 @@ from draftline import formats, regenerate
 from draftline.engine import EngineOptions
 from draftline.evaluate import in_vllm, offline, rollout, stats
 from draftline.tiny.drafts import overfit_draft
-from stages.evaluate import GateFailed, apply_gate, check_features
+from stages.evaluate import check_features, gate_failures, judge, versus_best_baseline
 from conftest import compose
 
 REPO = Path(__file__).resolve().parents[1]
@@ -817,23 +817,71 @@ def test_the_gate_asset_records_measured_runs_with_a_margin():
         "the floor must sit above the baselines, or a collapsed draft would pass"
 
 
-def _offline(tau: float, ci: list[float], bigram_ci: list[float]) -> dict:
-    return {"eagle3": {"tau": tau, "tau_ci": ci}, "bigram": {"tau": sum(bigram_ci) / 2, "tau_ci": bigram_ci}}
+def _offline(tau: float, ci: list[float], bigram_ci: list[float], frequent_ci=(1.0, 1.1)) -> dict:
+    return {"eagle3": {"tau": tau, "tau_ci": ci}, "bigram": {"tau": sum(bigram_ci) / 2, "tau_ci": bigram_ci},
+            "most_frequent": {"tau": sum(frequent_ci) / 2, "tau_ci": list(frequent_ci)}}
+
+
+ON = {"enabled": True, "off_because": None}
+OFF = {"enabled": False, "off_because": "a random target"}
 
 
 def test_the_gate_fails_below_the_floor():
-    assert apply_gate({"tau_min": 1.5}, _offline(1.6, [1.55, 1.65], [1.3, 1.4]), "gate.json")["passed"]
-    assert not apply_gate(None, _offline(1.0, [0.9, 1.1], [1.3, 1.4]), "gate.json")["checked"]
-    with pytest.raises(GateFailed, match="below the floor"):
-        apply_gate({"tau_min": 1.5}, _offline(1.4, [1.35, 1.45], [1.0, 1.1]), "gate.json")
+    passed = judge({"tau_min": 1.5}, _offline(1.6, [1.55, 1.65], [1.3, 1.4]), "gate.json", ON)
+    assert passed["checked"] and passed["passed"] and not gate_failures(passed)
+    below = judge({"tau_min": 1.5}, _offline(1.4, [1.35, 1.45], [1.0, 1.1]), "gate.json", ON)
+    assert not below["passed"] and below["baseline"]["passed"] and not below["floor"]["passed"]
+    assert gate_failures(below) == ["tau 1.400 of the trained draft is below the floor 1.5 recorded "
+                                    "in gate.json: the draft regressed"]
 
 
-def test_the_gate_fails_when_the_tau_ci_overlaps_the_bigram_ci():
-    # Above the floor, but a machine where the bigram baseline does as well (CIs overlap).
-    with pytest.raises(GateFailed, match="does not lie above the bigram baseline's CI"):
-        apply_gate({"tau_min": 1.5}, _offline(1.6, [1.52, 1.68], [1.45, 1.55]), "gate.json")
-    verdict = apply_gate({"tau_min": 1.5}, _offline(1.6, [1.56, 1.68], [1.45, 1.55]), "gate.json")
-    assert verdict["above_baseline"] and verdict["baseline_tau_ci"] == [1.45, 1.55]
+def test_the_baseline_gate_is_on_without_a_floor_and_fails_when_the_cis_overlap():
+    # No floor recorded (a user's own run): the baseline check alone decides.
+    overlap = judge(None, _offline(1.6, [1.52, 1.68], [1.45, 1.55]), "gate.json", ON)
+    assert overlap["checked"] and not overlap["passed"] and not overlap["floor"]["checked"]
+    (failure,) = gate_failures(overlap)
+    assert failure.startswith("the draft's tau CI [1.520, 1.680] does not lie above the bigram "
+                              "baseline's CI [1.450, 1.550]") and "evaluate.baseline_gate.off_because" in failure
+    clear = judge(None, _offline(1.6, [1.56, 1.68], [1.45, 1.55]), "gate.json", ON)
+    assert clear["passed"] and clear["baseline"]["best_tau_ci"] == [1.45, 1.55]
+    # The best baseline is the one with the highest tau; every baseline's CI must lie below.
+    frequent = judge(None, _offline(1.6, [1.56, 1.68], [1.3, 1.4], frequent_ci=(1.44, 1.58)), None, ON)
+    assert frequent["baseline"]["best"] == "most_frequent" and not frequent["passed"]
+
+
+def test_a_baseline_gate_turned_off_keeps_its_reason_and_what_it_would_have_said():
+    verdict = judge(None, _offline(1.1, [1.07, 1.16], [1.25, 1.40]), None, OFF)
+    assert not verdict["checked"] and verdict["passed"] and not gate_failures(verdict)
+    assert verdict["baseline"]["off_because"] == "a random target" and not verdict["baseline"]["would_pass"]
+    with_floor = judge({"tau_min": 1.5}, _offline(1.1, [1.07, 1.16], [1.25, 1.40]), "f.json", OFF)
+    assert with_floor["checked"] and [f.split(" of ")[0] for f in gate_failures(with_floor)] == ["tau 1.100"]
+
+
+def test_the_difference_to_the_best_baseline_pairs_the_same_samples():
+    good = [torch.tensor([3, 2, 3]), torch.tensor([1, 3]), torch.tensor([2, 2, 2, 0])]
+    poor = [torch.tensor([0, 1, 0]), torch.tensor([1, 0]), torch.tensor([0, 0, 1, 0])]
+    offline = {}
+    for name, lengths in (("eagle3", good), ("bigram", poor), ("most_frequent", [t * 0 for t in poor])):
+        counts = stats.Counts.from_lengths(lengths, 3)
+        offline[name] = {**stats.bootstrap(counts, 200, 0.95, 0), "counts_per_sample": counts.at_least.tolist()}
+    result = versus_best_baseline(offline, 200, 0.95, 0)
+    assert result["baseline"] == "bigram"
+    assert result["difference"] == pytest.approx(offline["eagle3"]["tau"] - offline["bigram"]["tau"])
+    assert result["ci"][0] <= result["difference"] <= result["ci"][1]
+
+
+def test_the_baseline_gate_is_off_only_with_a_reason():
+    from draftline.pipeline import config
+
+    off = ["experiment=tiny-kimi"]  # a random target: its draft loses to bigram, said in its experiment
+    assert "bigram" in config.compose(off).evaluate.baseline_gate.off_because
+    config.check(config.compose(off))
+    with pytest.raises(config.UserConfigError, match="needs evaluate.baseline_gate.off_because"):
+        config.check(config.compose([*off, "evaluate.baseline_gate.off_because=null"]))
+    with pytest.raises(config.UserConfigError, match="is not true or false"):
+        config.check(config.compose(["experiment=tiny", "evaluate.baseline_gate.enabled=sometimes"]))
+    for name in ("llama-3.1-8b", "qwen3-8b", "kimi-k2.5", "tiny-trained", "tiny"):  # on by default
+        assert config.compose([f"experiment={name}"]).evaluate.baseline_gate.enabled is True
 
 
 # --------------------------------------------------------------------------- the smoke run (slow)
@@ -908,6 +956,7 @@ def _broken_run(smoke_run: Path, tmp_path: Path) -> Path:
 def test_gate_passes_the_smoke_run_and_catches_a_shuffled_d2t(smoke_run, tmp_path):
     manifest = json.loads((smoke_run / "evaluate/manifest.json").read_text())
     assert manifest["gate"]["checked"] and manifest["gate"]["passed"]
+    assert manifest["gate"]["baseline"]["checked"] and manifest["gate"]["floor"]["checked"]
     run = _broken_run(smoke_run, tmp_path)
     broken = _run(sys.executable, "-m", "stages.evaluate", "experiment=tiny-trained", f"run_dir={run}",
                   f"evaluate.draft={tmp_path / 'draft'}", "evaluate.vllm.enabled=false",

@@ -19,6 +19,7 @@ from draftline import formats, report
 from draftline.pipeline import artifacts, config
 
 from conftest import compose
+from stages.evaluate import judge
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOG = """\
@@ -44,7 +45,8 @@ def _result(tau: float, k: int = 2) -> dict:
 
 def _provenance() -> dict:
     return {"config": {}, "config_sha256": "ab" * 32, "versions": {"vllm": "0.16.0", "torch": "2.10.0"},
-            "patches": [{"name": "0001-x.diff", "sha256": "cd" * 32}], "git": "deadbeef", "python": "3.11",
+            "patches": [{"name": "0001-x.diff", "sha256": "cd" * 32}],
+            "vllm_patches": [{"name": "0002-v.diff", "sha256": "ef" * 32}], "git": "deadbeef", "python": "3.11",
             "host": "h"}
 
 
@@ -71,9 +73,14 @@ def run_dir(tmp_path) -> Path:
     _write(run / "train", {"metrics": {"loss_history": [3.0, 2.0, 1.5], "total_steps": 3, "steps": 3,
                                        "final": {"loss_0": 0.7, "full_acc_0": 0.4, "loss_1": 1.6},
                                        "validation": {"loss_0": 0.8, "full_acc_0": 0.3, "cond_acc_0": 0.3}}})
-    results = {"draft": "d", "k": 2, "held_out_samples": 4, "alignment": "start t ...",
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(draft / "model.safetensors"))
+    results = {"draft": str(draft), "k": 2, "held_out_samples": 4, "alignment": "start t ...",
                "ci": {"method": "bootstrap over samples", "resamples": 100, "level": 0.95},
                "offline": {"eagle3": _result(1.9), "most_frequent": _result(1.1), "bigram": _result(1.4)},
+               "versus_best_baseline": {"baseline": "bigram", "difference": 0.5, "ci": [0.4, 0.6]},
                "baselines_from": "training counts", "draft_vocab_coverage_of_greedy": 0.9,
                "in_vllm": {"vllm": _result(2.0), "offline": _result(2.0), "replies": 4, "shared_steps": 9,
                            "text_mismatches": 0, "diverging_replies": 0, "vllm_tau_inside_offline_ci": True,
@@ -83,8 +90,8 @@ def run_dir(tmp_path) -> Path:
                "vllm_load": None}
     (run / "evaluate").mkdir()
     artifacts.write_json(run / "evaluate/results.json", results)
-    _write(run / "evaluate", {"results": "results.json", "skipped": [],
-                              "gate": {"checked": True, "passed": True, "tau_min": 1.5, "tau": 1.9}})
+    gate = judge({"tau_min": 1.5}, results["offline"], "floors.json", {"enabled": True, "off_because": None})
+    _write(run / "evaluate", {"results": "results.json", "skipped": [], "gate": gate})
     (run / "logs").mkdir()
     (run / "logs/train.log").write_text(LOG)
     return run
@@ -101,9 +108,64 @@ def test_report_is_one_self_contained_page(run_dir):
     assert not re.search(r'(src|href)="(?!data:)', page), "the page must not load anything"
     for name in ("training.png", "acceptance.png", "coverage.png", "extraction.png"):
         assert (run_dir / "report" / name).read_bytes().startswith(PNG_MAGIC)
-    for text in ("1.900", "bigram", "most_frequent", "0001-x.diff", "abababababababab", "1234", "passed"):
+    for text in ("1.900 [1.850, 1.950]", "1.400 [1.350, 1.450]", "1.100 [1.050, 1.150]", "0001-x.diff",
+                 "0002-v.diff", "abababababababab", "passed", "CI above bigram baseline's",
+                 "draft minus bigram baseline", "+0.500 [0.400, 0.600]",
+                 "1234 tok/s", "400 tok/s in generate calls alone"):
         assert text in page, text
     assert fields["training_history_source"].endswith("train.log")
+    assert "not measured" in page and fields["speedup"] is None
+    assert "serving speed-up" in {s["what"] for s in fields["skipped"]}
+
+
+def _text(page: str) -> str:
+    return re.sub(r'src="data:image/png;base64,[^"]+"', "", page)
+
+
+def test_the_page_has_one_name_per_method(run_dir):
+    from stages.report import run
+
+    run(compose("tiny", f"run_dir={run_dir}"))
+    page = _text((run_dir / "report/index.html").read_text())
+    for key in ("eagle3", "most_frequent", "trained draft"):
+        assert key not in page, key
+    for name in report.METHODS.values():
+        assert page.count(name) >= 2, name  # its card and its table row at least
+
+
+def test_the_speed_up_shows_for_the_draft_it_was_measured_on(run_dir):
+    from draftline.evaluate import speedup
+    from stages.report import run
+
+    draft = Path(json.loads((run_dir / "evaluate/results.json").read_text())["draft"])
+    measured = {"speedup": 0.93, "tokens_per_second": {"target alone": 100.0, "with draft": 93.0},
+                "repeats": 3, "device": "CPU (2 cores)"}
+    kept = speedup.record(run_dir, draft, measured)
+    assert kept == config.speedup_file(run_dir)
+    fields = run(compose("tiny", f"run_dir={run_dir}"))
+    page = (run_dir / "report/index.html").read_text()
+    assert "0.93x" in page and "CPU (2 cores): 93 vs 100 output tok/s, median of 3" in page
+    assert "no speed-up is expected" in page and fields["speedup"]["speedup"] == 0.93
+    # Another draft (retrained): the page no longer shows the old draft's figure.
+    save_file({"w": torch.ones(2)}, str(draft / "model.safetensors"))
+    fields = run(compose("tiny", f"run_dir={run_dir}"))
+    assert fields["speedup"] is None and "not measured" in (run_dir / "report/index.html").read_text()
+    speedup.record(run_dir, draft, {**measured, "speedup": 1.8, "device": "NVIDIA H200"})
+    assert len(json.loads(kept.read_text())) == 2  # both drafts' measurements kept
+    page = (run(compose("tiny", f"run_dir={run_dir}")) and (run_dir / "report/index.html").read_text())
+    assert "1.80x" in page and "no speed-up is expected" not in page
+
+
+def test_a_speed_up_measured_after_the_report_makes_it_stale(tmp_path):
+    from draftline.pipeline import deps, status
+
+    cfg = compose("tiny", f"run_dir={tmp_path / 'run'}")
+    files = config.stage_files(cfg, "report")
+    assert files == status.stage_files(tmp_path / "run", "report") == [str(config.speedup_file(cfg.run_dir))]
+    before = deps.current({"files": dict.fromkeys(files)})
+    config.speedup_file(cfg.run_dir).parent.mkdir(parents=True)
+    config.speedup_file(cfg.run_dir).write_text("{}")
+    assert deps.differences(before, deps.current({"files": dict.fromkeys(files)})) == [f"files {files[0]} changed"]
 
 
 def rendered_pixels(png: Path) -> dict:
@@ -143,3 +205,14 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     assert seen["height"] == 2400 and seen["ink"] > 0.03, seen  # a page, not a blank or an error tab
     assert seen["colour"] > 0.005, seen  # the figures were decoded and drawn
 
+
+
+def test_the_extraction_card_explains_its_two_rates():
+    shards = [{"tokens": 200, "seconds": 0.5}, {"tokens": 100, "seconds": 0.25}]
+    assert report.extraction_text({"tokens_per_second": 150.0, "shards": shards}) == (
+        "150 tok/s<small>whole run, target load included; 400 tok/s in generate calls alone</small>")
+    resumed = report.extraction_text({"tokens_per_second": 0.0, "shards": shards})
+    assert resumed.startswith("400 tok/s") and "resumed all 2 shards" in resumed
+    untimed = [{"tokens": 200}, {"tokens": 100}]
+    assert report.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
+        "150 tok/s<small>whole run, target load included</small>")

@@ -153,7 +153,8 @@ def test_a_gate_named_now_joins_evaluates_dependencies(tmp_path):
     assert status.stage_files(run, "evaluate") == []
     artifacts.write_json(evaluate / artifacts.STAMP, named)
     assert status.stage_files(run, "evaluate") == [str(gate)]
-    assert status.stage_files(run, "report") == []  # no stamp
+    # report's one file: benchmarks.serve's measurements, named whether or not they exist yet
+    assert status.stage_files(run, "report") == [str(run / "benchmarks/serve.json")]
     artifacts.write_json(run / "train" / artifacts.STAMP, named)
     assert status.stage_files(run, "train") == []  # only evaluate reads the gate
     # The config names a gate the run did not record (a gate added later): a difference.
@@ -615,7 +616,8 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] != 0.5
     cache = artifacts.read_json(run / ".stamp-cache.json")
     assert cache["stamps"] == [str(run / s / n) for s in config.STAGES for n in ("config.json", "deps.json")]
-    assert cache["inputs"] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json", gate]
+    assert cache["inputs"] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json", gate,
+                               str(run / "benchmarks/serve.json")]
     assert status.stamp_is_fresh("tiny", ["stamp", "tiny"])
     assert _main(monkeypatch, status, ["stamp", "tiny"]) is None  # fresh: returns before Hydra and typer
     assert capsys.readouterr().out == ""
@@ -708,13 +710,22 @@ def test_the_summary_names_the_draft_its_tau_the_gate_and_the_next_command(tmp_p
     assert fresh == ["     draft: not trained yet", "      next: make train EXP=mine"]
     (run / "train/abc/draft").mkdir(parents=True)
     (run / "draft").symlink_to("train/abc/draft")
+    from stages.evaluate import judge
+
+    offline = {"eagle3": {"tau": 1.9091, "tau_ci": [1.78, 2.064]},
+               "bigram": {"tau": 1.49, "tau_ci": [1.42, 1.56]},
+               "most_frequent": {"tau": 1.2, "tau_ci": [1.1, 1.3]}}
+    on = {"enabled": True, "off_because": None}
     artifacts.write_json(run / "evaluate" / artifacts.MANIFEST, {
-        "offline": {"eagle3": {"tau": 1.9091, "tau_ci": [1.78, 2.064]}},
-        "gate": {"checked": True, "tau_min": 1.8, "baseline": "bigram", "baseline_tau_ci": [1.42, 1.56]}})
+        "offline": offline, "gate": judge({"tau_min": 1.8}, offline, "floors.json", on)})
     done = status.summary(run, "mine", ["  tokenize: up to date", "  evaluate: up to date"])
     assert done == [f"     draft: {run / 'draft'} -> train/abc/draft",
                     f"       tau: 1.909 [1.780, 2.064] (offline, 95% CI; {run / 'evaluate/results.json'})",
-                    "      gate: passed (floor 1.8; CI above the bigram baseline's [1.420, 1.560])",
+                    "      gate: passed; tau CI above the best baseline's, bigram [1.420, 1.560]; "
+                    "floor 1.8 (floors.json)",
                     "      next: make report EXP=mine (the page), make serve EXP=mine (vLLM with the draft)"]
-    artifacts.write_json(run / "evaluate" / artifacts.MANIFEST, {"gate": {"checked": False}})
-    assert "gate: not checked" in status.summary(run, "mine", [])[1]
+    off = {"enabled": False, "off_because": "a random target"}
+    artifacts.write_json(run / "evaluate" / artifacts.MANIFEST, {
+        "offline": offline, "gate": judge(None, offline, None, off)})
+    assert status.summary(run, "mine", [])[2] == (
+        "      gate: not checked; baseline check off: a random target (best baseline bigram [1.420, 1.560])")

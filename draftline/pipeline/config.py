@@ -204,6 +204,7 @@ def check(cfg: DictConfig) -> None:
         raise UserConfigError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required and not set",
                               f'add {values} to the overrides (make: OVERRIDES="{values}"), '
                               f"or set {them} in the untracked conf/local.yaml")
+    check_baseline_gate(cfg.evaluate.baseline_gate)
     from draftline.tokenize.sources import is_hub_name
 
     if cfg.model.build is None and _users(cfg.model.path, cfg) and not Path(cfg.model.path).is_dir():
@@ -214,6 +215,17 @@ def check(cfg: DictConfig) -> None:
         raise UserConfigError(f"data.path={data}: no such file or directory",
                               "data.path is a JSON, JSONL or parquet file, a datasets save_to_disk "
                               "directory, or the owner/name of a dataset in the local HF cache")
+
+
+def check_baseline_gate(gate: DictConfig) -> None:
+    """evaluate.baseline_gate: a bool, and off only with a stated reason."""
+    if not isinstance(gate.enabled, bool):
+        raise UserConfigError(f"evaluate.baseline_gate.enabled={gate.enabled!r} is not true or false",
+                              "the baseline gate is on (true) unless an experiment turns it off (false)")
+    if not gate.enabled and not str(gate.off_because or "").strip():
+        raise UserConfigError("evaluate.baseline_gate.enabled=false needs evaluate.baseline_gate.off_because",
+                              "say why this experiment's draft may lose to token counts (a random tiny "
+                              "target, for one); make status and the report show it")
 
 
 def _users(path: str, cfg: DictConfig) -> bool:
@@ -261,10 +273,18 @@ def launch_config(cfg: DictConfig, stage: str) -> dict[str, dict]:
 
 
 def stage_files(cfg: DictConfig, stage: str) -> list[str]:
-    """Files a stage reads that are neither data nor code: their hashes join its dependencies."""
+    """Files a stage reads that are neither data nor code: their hashes join its dependencies
+    (one that does not exist yet counts as absent, and its appearing is a change)."""
     if stage == "evaluate" and cfg.evaluate.gate:
         return [str(cfg.evaluate.gate)]
+    if stage == "report":
+        return [str(speedup_file(cfg.run_dir))]
     return []
+
+
+def speedup_file(run_dir: str | Path) -> Path:
+    """Where benchmarks.serve keeps its measurements of the run's drafts (the report shows them)."""
+    return Path(run_dir) / "benchmarks" / "serve.json"
 
 
 def stage_dir(cfg: DictConfig, stage: str) -> Path:

@@ -276,8 +276,10 @@ def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> l
 
 def stage_files(run_dir: Path, stage: str) -> list[str]:
     """The extra files the stage's stamped config names (see config.stage_files)."""
-    from draftline.pipeline import artifacts
+    from draftline.pipeline import artifacts, config
 
+    if stage == "report":
+        return [str(config.speedup_file(run_dir))]
     stamp = run_dir / stage / artifacts.STAMP
     gate = artifacts.read_json(stamp).get("evaluate", {}).get("gate") if stamp.exists() else None
     return [str(gate)] if stage == "evaluate" and gate else []
@@ -329,16 +331,27 @@ def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
         if tau:
             out.append(f"       tau: {tau['tau']:.3f} [{tau['tau_ci'][0]:.3f}, {tau['tau_ci'][1]:.3f}] "
                        f"(offline, 95% CI; {run_dir / 'evaluate' / 'results.json'})")
-        if gate.get("checked"):
-            out.append(f"      gate: passed (floor {gate['tau_min']}; CI above the {gate['baseline']} baseline's "
-                       f"[{gate['baseline_tau_ci'][0]:.3f}, {gate['baseline_tau_ci'][1]:.3f}])")
-        else:
-            out.append("      gate: not checked (this experiment records no floor in evaluate.gate)")
+        out += [f"      gate: {line}" for line in gate_lines(gate)]
     stale = [line.split(":")[0].strip() for line in lines if ": STALE" in line]
     first = next((stage for stage in stale if stage != "rehearse"), None)
     out.append(f"      next: make {first} EXP={exp}" if first else
                f"      next: make report EXP={exp} (the page), make serve EXP={exp} (vLLM with the draft)")
     return out
+
+
+def gate_lines(gate: dict) -> list[str]:
+    """evaluate's gate verdict (stages.evaluate.judge) in words: what it checked, and why a
+    check is off."""
+    baseline, floor = gate.get("baseline"), gate.get("floor") or {}
+    if not isinstance(baseline, dict):  # a manifest from before the baseline gate
+        return ["passed" if gate.get("passed") else "not checked"]
+    best = f"{baseline['best']} [{baseline['best_tau_ci'][0]:.3f}, {baseline['best_tau_ci'][1]:.3f}]"
+    lines = [f"{'passed' if gate['passed'] else 'FAILED'}" if gate["checked"] else "not checked"]
+    lines.append(f"tau CI above the best baseline's, {best}" if baseline["checked"] else
+                 f"baseline check off: {baseline['off_because']} (best baseline {best})")
+    if floor.get("checked"):
+        lines.append(f"floor {floor['tau_min']} ({floor['file']})")
+    return ["; ".join(lines)]
 
 
 def accept(run_dir: Path, stage: str) -> list[str]:
