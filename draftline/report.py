@@ -377,6 +377,13 @@ def kpis(evaluation: dict, data: dict, extract: dict, speedup: dict | None = Non
     return "".join(f"<div class='kpi'>{html.escape(label)}<b>{value}</b></div>" for label, value in items)
 
 
+def draft_html(evaluation: dict) -> str:
+    """The draft's path: the run's link (runs/<EXP>/draft) with where it points, or the path."""
+    path = f"<code>{html.escape(evaluation['draft'])}</code>"
+    link = evaluation.get("draft_link")
+    return f"<code>{html.escape(link)}</code> (&rarr; {path})" if link else path
+
+
 def target_html(build: dict | None) -> str:
     if not build:
         return ""
@@ -411,7 +418,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
     sections = [
         f"<h1>{html.escape(title)}</h1><p class='sub'>target "
         f"<code>{html.escape(str(extract['target']))}</code>"
-        f" &middot; draft <code>{html.escape(evaluation['draft'])}</code> &middot; k = {evaluation['k']}"
+        f" &middot; draft {draft_html(evaluation)} &middot; k = {evaluation['k']}"
         f" &middot; {evaluation['held_out_samples']} held-out samples</p>" + target_html(target_build),
         kpis(evaluation, data, extract, speedup, exp),
         "<h2>Training</h2>", figure_html(figures["training"]),
@@ -440,7 +447,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
         table([["tokens", extract["num_tokens"]], ["samples", extract["num_samples"]],
                ["shards", len(extract["shards"])],
                ["tokens/s, whole run (from before the target loaded to the last shard)",
-                extraction_rates(extract)[0]],
+                extraction_rates(extract)[0] or "none extracted: this run resumed every shard"],
                ["tokens/s, generate calls alone (the shards' tokens / their seconds; the chart)",
                 extraction_rates(extract)[1] or "not recorded"],
                ["resumed shards", extract.get("resumed_shards", "")],

@@ -44,6 +44,10 @@ def run(cfg: DictConfig) -> dict:
     # A target trained by draftline.tiny.trained carries its build record.
     build = Path(manifests["extract"]["target"]) / "build.json"
     target_build = artifacts.read_json(build) if build.exists() else None
+    # Name the draft by the run's link (runs/<EXP>/draft, what make serve serves) when it is that one.
+    link = Path(cfg.run_dir) / "draft"
+    if link.exists() and link.resolve() == Path(evaluation["draft"]).resolve():
+        evaluation["draft_link"] = str(link)
     # benchmarks.serve's measurement of this very draft, when it ran (draftline.evaluate.speedup).
     speedup = serving.read(cfg.run_dir, evaluation["draft"])
     with artifacts.atomic_path(out_dir / "index.html") as tmp:
