@@ -708,6 +708,13 @@ def test_the_summary_names_the_draft_its_tau_the_gate_and_the_next_command(tmp_p
              "     train: STALE - config changed", "  evaluate: STALE - an upstream stage is stale"]
     fresh = status.summary(run, "mine", lines)
     assert fresh == ["     draft: not trained yet", "      next: make train EXP=mine"]
+    # Stamped, not yet evaluated: what the gate will check.
+    artifacts.write_json(run / "evaluate" / artifacts.STAMP, {"evaluate": {"baseline_gate": {"enabled": True}}})
+    assert status.summary(run, "mine", lines)[1] == (
+        "      gate: evaluate fails unless the draft's tau CI lies above the baselines' (evaluate.baseline_gate)")
+    artifacts.write_json(run / "evaluate" / artifacts.STAMP,
+                         {"evaluate": {"baseline_gate": {"enabled": False, "off_because": "a random target"}}})
+    assert status.summary(run, "mine", lines)[1] == "      gate: baseline check off: a random target"
     (run / "train/abc/draft").mkdir(parents=True)
     (run / "draft").symlink_to("train/abc/draft")
     from stages.evaluate import judge

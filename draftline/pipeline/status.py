@@ -197,6 +197,7 @@ def write_gate(exp: str, overrides: list[str], argv: list[str]) -> list[str]:
             return saved["targets"]
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     config.check(cfg)  # Make stops at its parse on the same mistakes the stamping step refuses
+    check_owned_paths(cfg)  # ... and on a user's path given to a project-built input
     model_dir = str(cfg.model.path)
     targets = rehearsed_targets(cfg)
     # The data path too: config.check refused it when missing, so must a cached answer.
@@ -332,6 +333,8 @@ def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
             out.append(f"       tau: {tau['tau']:.3f} [{tau['tau_ci'][0]:.3f}, {tau['tau_ci'][1]:.3f}] "
                        f"(offline, 95% CI; {run_dir / 'evaluate' / 'results.json'})")
         out += [f"      gate: {line}" for line in gate_lines(gate)]
+    elif (stamp := run_dir / "evaluate" / artifacts.STAMP).exists():
+        out.append(f"      gate: {planned_gate(artifacts.read_json(stamp).get('evaluate', {}))}")
     stale = [line.split(":")[0].strip() for line in lines if ": STALE" in line]
     first = next((stage for stage in stale if stage != "rehearse"), None)
     out.append(f"      next: make {first} EXP={exp}" if first else
@@ -352,6 +355,14 @@ def gate_lines(gate: dict) -> list[str]:
     if floor.get("checked"):
         lines.append(f"floor {floor['tau_min']} ({floor['file']})")
     return ["; ".join(lines)]
+
+
+def planned_gate(evaluate: dict) -> str:
+    """What evaluate will hold the draft to, from its stamped config (before it has run)."""
+    baseline = evaluate.get("baseline_gate") or {}
+    if baseline.get("enabled", True):
+        return "evaluate fails unless the draft's tau CI lies above the baselines' (evaluate.baseline_gate)"
+    return f"baseline check off: {baseline.get('off_because')}"
 
 
 def accept(run_dir: Path, stage: str) -> list[str]:
