@@ -50,6 +50,8 @@ endif
 # comment after `#`), experiments from conf/experiment/: nothing here to keep in step by hand.
 # Colour only on a terminal.
 .PHONY: help
+# The ?= variables; help shows the value here of those whose default is a Make expression.
+HELP_VARS = $(shell sed -nE 's/^([A-Z_]+) \?=.*/\1/p' $(MAKEFILE_LIST))
 help: ## Show this help: targets, variables with their defaults, experiments
 	@if [ -t 1 ]; then on=$$'\033[36m' off=$$'\033[0m'; else on= off=; fi; \
 	echo "Targets (make TARGET [VAR=value ...]):"; \
@@ -57,8 +59,10 @@ help: ## Show this help: targets, variables with their defaults, experiments
 	  | awk -v on="$$on" -v off="$$off" 'BEGIN {FS = ":.*## "}; {printf "  %s%-12s%s %s\n", on, $$1, off, $$2}'; \
 	echo; echo "Variables (default in brackets):"; \
 	grep -hE '^[A-Z_]+ \?=' $(MAKEFILE_LIST) \
-	  | awk -v on="$$on" -v off="$$off" '{ name = $$1; rest = $$0; sub(/^[A-Z_]+ \?= ?/, "", rest); \
+	  | $(foreach v,$(HELP_VARS),now_$(v)='$($(v))') \
+	    awk -v on="$$on" -v off="$$off" '{ name = $$1; rest = $$0; sub(/^[A-Z_]+ \?= ?/, "", rest); \
 	      split(rest, part, "#"); value = part[1]; gsub(/^ +| +$$/, "", value); \
+	      if (value ~ /[$$][(]/) value = ENVIRON["now_" name] " here"; \
 	      comment = substr(rest, length(part[1]) + 2); gsub(/^ +| +$$/, "", comment); \
 	      printf "  %s%-12s%s %s [%s]\n", on, name, off, comment, value }'; \
 	echo; echo "Experiments (EXP=...): $(basename $(notdir $(wildcard conf/experiment/*.yaml)))"
