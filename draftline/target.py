@@ -15,14 +15,18 @@ import json
 from pathlib import Path
 
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
+from draftline.pipeline.config import UserError
 
 # The files through which transformers and vLLM find a directory's own classes.
 CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
               "preprocessor_config.json")
 
 
-class RemoteCodeRefused(ValueError):
+class RemoteCodeRefused(UserError, ValueError):
     """The model directory asks to run its own Python and the config did not allow it."""
+
+    hint_text = ("read the files it names; if you trust them, set model.trust_remote_code=true "
+                 "in the model's conf/model/<name>.yaml (or OVERRIDES)")
 
 
 def remote_code_references(model_dir: str | Path) -> list[str]:

@@ -105,7 +105,7 @@ def read_floor(cfg: DictConfig, k: int) -> dict | None:
     return entry
 
 
-class GateFailed(RuntimeError):
+class GateFailed(config.UserError, RuntimeError):
     """The trained draft does not beat its baselines, or is below its experiment's tau floor."""
 
 

@@ -6,6 +6,8 @@ config.refuse prints before @hydra.main composes). In a copy of the repository: 
 (it is untracked), so no value of this machine's fills what the test leaves unset.
 """
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +96,27 @@ def test_a_misspelled_experiment_is_one_line_with_the_nearest_one(repo):
     assert stage(repo, "experiment=tinyy") == [
         "draftline: experiment=tinyy: there is no conf/experiment/tinyy.yaml",
         f"hint: did you mean experiment=tiny? known: {known}"]
+
+
+def test_a_model_without_a_chat_template_stops_tokenize_in_two_lines_and_logs_the_traceback(repo, data, tmp_path):
+    """A mistake found inside a stage: its message and hint on screen, the traceback in the
+    stage's log file, which the hint line names; Make adds only its own `Error 2` line."""
+    model, run = tmp_path / "no-template", tmp_path / "run"
+    shutil.copytree(SHAPED, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = subprocess.run(["make", "--no-print-directory", "tokenize", f"VENV={sys.prefix}", "EXP=kimi-k2.5",
+                             f"OVERRIDES=model.path={model} data.path={data} run_dir={run}"],
+                            cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    # (a fresh copy first builds .tools/: pip may warn there, before the stage starts)
+    message, hint, by_make = result.stderr.splitlines()[-3:]
+    assert message.startswith("draftline: stage tokenize stopped after ") and \
+        message.endswith(f"{model}: tokenizer has no chat_template"), message
+    assert hint.startswith("hint: tokenize renders every conversation with the target's chat template") and \
+        hint.endswith(f"the traceback is in {run}/logs/tokenize.log"), hint
+    assert by_make.startswith("make: *** ") and by_make.endswith("Error 2")
+    logged = (run / "logs/tokenize.log").read_text()
+    assert "Traceback (most recent call last)" in logged and "NoChatTemplate" in logged

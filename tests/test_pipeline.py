@@ -211,7 +211,10 @@ def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
     gate.write_text(json.dumps({"tiny": {"k": k, "tau_min": k + 1.5}}))
     result = evaluate_with_gate(repo, gate)
     output = result.stdout + result.stderr
-    assert result.returncode != 0 and "below the floor" in output and "Traceback" in output
+    # The gate's verdict is the user's to act on: two lines on screen, the traceback in the log.
+    assert result.returncode == 2 and "below the floor" in result.stderr and "Traceback" not in output
+    assert "the traceback is in runs/tiny/logs/evaluate.log" in result.stderr.splitlines()[-1]
+    assert "GateFailed" in (repo / "runs/tiny/logs/evaluate.log").read_text()
     assert not (repo / "runs/tiny/evaluate/manifest.json").exists()
     assert (repo / "runs/tiny/evaluate/results.json").exists()
     gate.write_text(json.dumps({"tiny": {"k": k + 1, "tau_min": 1.0}}))

@@ -54,14 +54,22 @@ LOCAL = "local.yaml"  # untracked: this machine's paths (model.path, data.path, 
 OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt")
 
 
-class UserConfigError(ValueError):
-    """A mistake in what the user asked for (a key, an experiment, a path, a required value left
-    unset): the message and its hint say everything a traceback would, so the entry points print
-    those two lines and exit 2 (``refuse``)."""
+class UserError(Exception):
+    """A failure the user can act on from its message and hint alone: what they gave (a config,
+    a model directory, data) is not usable, or the run's own check (the gate) said no. A stage
+    prints the two lines and keeps the traceback in its log file (stage.run_stage); the config
+    entry points print the two lines (``refuse``). Exit code 2, as for Make's usage errors."""
 
-    def __init__(self, message: str, hint: str):
+    hint_text: str | None = None  # the class's hint, when the raise gives none
+
+    def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
-        self.hint = hint
+        self.hint = hint or self.hint_text
+
+
+class UserConfigError(UserError, ValueError):
+    """A mistake in what the user asked for (a key, an experiment, a path, a required value left
+    unset), refused before any stage starts."""
 
 
 def refuse(error: Exception, one_line: bool = False) -> NoReturn:

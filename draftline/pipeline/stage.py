@@ -34,7 +34,7 @@ def refuse_mistakes(argv: list[str] | None = None) -> None:
         return  # Hydra's own flags (--cfg, --config-path as `make reproduce` passes): Hydra's to read
     try:
         config.check(config.compose(args))
-    except config.UserConfigError as error:
+    except config.UserError as error:
         config.refuse(error)
 
 
@@ -61,6 +61,8 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
         fields = work(cfg)
         # What the run imported, read from this process once the work is done (draftline.pipeline.deps).
         recorded = deps.loaded(config.stage_files(cfg, stage), deps.union(previous, *parts()))
+    except config.UserError as error:
+        stop_for_user(f"stage {stage} stopped after {time.monotonic() - start:.1f} s", error)
     except BaseException:
         log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)
         sys.exit(1)
@@ -70,6 +72,29 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
                                                       "deps": recorded,
                                                       "launch": config.launch_config(cfg, stage)})
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
+
+
+def stop_for_user(what: str, error: config.UserError) -> None:
+    """Exit 2 with the error's message and hint on stderr, its traceback in the stage's log
+    file (Hydra's, runs/<exp>/logs/<stage>.log), which the second line names. Without a log
+    file (a stage run outside Hydra) the traceback goes to the screen as any failure's does."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        log.exception("%s", what)
+        sys.exit(2)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s: %s", (what, error), sys.exc_info())
+    for handler in files:
+        handler.handle(record)
+    where = ", ".join(_shown(h.baseFilename) for h in files)
+    hint = f"hint: {error.hint}; " if error.hint else ""
+    print(f"draftline: {what}: {error}\n{hint}the traceback is in {where}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working directory when it lies under it."""
+    resolved, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(resolved.relative_to(here)) if resolved.is_relative_to(here) else str(resolved)
 
 
 def run_part(what: str, cfg: DictConfig, work: Callable[[DictConfig], None], record: Path) -> None:

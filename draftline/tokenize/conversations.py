@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from draftline.pipeline.config import UserError
+
 __all__ = [
     "Conversation",
     "DataError",
@@ -71,8 +73,12 @@ _TARGET_ROLES = ("system", "user", "assistant")
 _REASONS_SHOWN = 5
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input data is unusable; the message names the file and line / item / sample."""
+
+    hint_text = ("data.path holds ShareGPT (conversations: from/value) or OpenAI (messages: "
+                 "role/content) records in JSON, JSONL, parquet or a datasets directory; data.field "
+                 "and data.roles adapt others (README.md, 'Your own conversations')")
 
 
 class RecordSkip(ValueError):

@@ -27,6 +27,7 @@ import numpy as np
 
 from draftline import target
 from draftline.pipeline.progress import Progress
+from draftline.pipeline.config import UserError
 from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
 from draftline.tokenize.conversations import DataError, RecordSkip, normalize
 from draftline.tokenize.sources import Source, select_records
@@ -40,8 +41,12 @@ BATCH = 32  # conversations per worker task: large enough to amortise pickling, 
 TASKS_PER_WORKER = 4  # tasks in flight per worker: bounds memory while keeping workers busy
 
 
-class NoChatTemplate(ValueError):
+class NoChatTemplate(UserError, ValueError):
     """The target's tokenizer has no chat template: tokenize renders every conversation with it."""
+
+    hint_text = ("tokenize renders every conversation with the target's chat template: use the "
+                 "chat (instruct) model's directory, or a copy of this one whose "
+                 "tokenizer_config.json has a chat_template")
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
