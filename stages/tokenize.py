@@ -63,9 +63,9 @@ def run(cfg: DictConfig) -> dict:
     ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
     freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", [ids], [mask], target_vocab, draft_vocab)
     tally = result.tally
-    log.info("%d records -> %d samples from %d conversations, %d skipped:\n%s",
+    log.info("%d records -> %d samples from %d conversations, %d skipped%s",
              tally.num_records, len(result.offsets) - 1, tally.num_conversations, tally.num_skipped,
-             tally.table())
+             f":\n{tally.table()}" if tally.num_skipped else "")
     if tally.dropped_exchanges:
         log.info("%d exchanges dropped from %d kept conversations (prompt alone fills seq_length), "
                  "e.g. %s", tally.dropped_exchanges, tally.dropped_exchange_conversations,
