@@ -241,7 +241,7 @@ def run(cfg: DictConfig) -> dict:
         raise RuntimeError("; ".join(failures))
     failures = gate_failures(results["gate"])
     if failures:
-        raise GateFailed("; ".join(failures))
+        raise GateFailed("; ".join(failures), f"every number and the verdict are in {out_dir / 'results.json'}")
     return {
         **results, "results": "results.json", "skipped": skipped,
         "inputs": {name: artifacts.sha256_file(config.stage_dir(cfg, name) / artifacts.MANIFEST)

@@ -213,7 +213,9 @@ def test_evaluate_runs_on_the_tiny_run_and_its_gate_fails_it(repo, tmp_path):
     output = result.stdout + result.stderr
     # The gate's verdict is the user's to act on: two lines on screen, the traceback in the log.
     assert result.returncode == 2 and "below the floor" in result.stderr and "Traceback" not in output
-    assert "the traceback is in runs/tiny/logs/evaluate.log" in result.stderr.splitlines()[-1]
+    assert result.stderr.splitlines()[-1] == ("hint: every number and the verdict are in "
+                                              "runs/tiny/evaluate/results.json; the traceback is in "
+                                              "runs/tiny/logs/evaluate.log")
     assert "GateFailed" in (repo / "runs/tiny/logs/evaluate.log").read_text()
     assert not (repo / "runs/tiny/evaluate/manifest.json").exists()
     assert (repo / "runs/tiny/evaluate/results.json").exists()
