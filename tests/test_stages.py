@@ -1,4 +1,5 @@
-"""Stage entry points fail loudly: full traceback, non-zero exit, no manifest."""
+"""Stage entry points fail loudly and leave no manifest: a mistake of the user's in two lines on
+stderr with the traceback in the stage's log (exit 2), any other failure with its traceback."""
 
 import subprocess
 import sys
@@ -21,6 +22,20 @@ def run_stage(stage: str, *overrides: str) -> subprocess.CompletedProcess:
                                                                          "PATH": "/usr/bin:/bin"})
 
 
+def stopped(result: subprocess.CompletedProcess, run_dir: Path, stage: str) -> str:
+    """A stage's stop for the user: exit 2, message and hint on stderr, no traceback there; the
+    traceback in the log the hint names. Returns what the user can read: stderr and that log."""
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stderr.splitlines()  # a message may carry a table (skip reasons) before the hint
+    message, hint = lines[0], lines[-1]
+    log = run_dir / "logs" / f"{stage}.log"
+    assert message.startswith(f"draftline: stage {stage} stopped after ") and hint.startswith("hint: ")
+    assert hint.endswith(f"the traceback is in {log}") and "Traceback" not in result.stdout + result.stderr
+    logged = log.read_text()
+    assert "Traceback (most recent call last)" in logged
+    return result.stderr + logged
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
@@ -38,10 +53,8 @@ def test_bad_input_fails_tokenize_naming_file_and_line(tmp_path, model_dir, cont
     data.write_text(content)
     result = run_stage("tokenize", f"data.path={data}", "data.build=null",
                        f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}")
-    assert result.returncode != 0
-    output = result.stdout + result.stderr
-    assert "Traceback (most recent call last)" in output
-    assert "DataError" in output and "bad.jsonl" in output and message in output
+    output = stopped(result, tmp_path / "run", "tokenize")
+    assert "DataError" in output and "bad.jsonl" in result.stderr and message in result.stderr
     assert not (tmp_path / "run/tokenize/manifest.json").exists()
 
 
@@ -114,10 +127,9 @@ def test_remote_code_tokenizer_is_refused_unless_asked_for(tmp_path, remote_code
                     '{"role": "assistant", "content": "hello"}]}\n')
     common = [f"data.path={data}", "data.build=null", f"model.path={remote_code_model}"]
     refused = run_stage("tokenize", *common, f"run_dir={tmp_path / 'refused'}")
-    assert refused.returncode != 0
-    output = refused.stdout + refused.stderr
-    assert "RemoteCodeRefused" in output and "set model.trust_remote_code=true" in output
-    assert "tokenizer_config.json: AutoTokenizer" in output
+    output = stopped(refused, tmp_path / "refused", "tokenize")
+    assert "RemoteCodeRefused" in output and "set model.trust_remote_code=true" in refused.stderr
+    assert "tokenizer_config.json: AutoTokenizer" in refused.stderr
     assert not (remote_code_model / "RAN").exists()  # refused before importing anything
 
     allowed = [*common, f"run_dir={tmp_path / 'allowed'}"]
@@ -127,8 +139,7 @@ def test_remote_code_tokenizer_is_refused_unless_asked_for(tmp_path, remote_code
     assert run_stage("regenerate", *allowed, "model.trust_remote_code=true").returncode == 0
     # extract checks the same key before its model load.
     extract = run_stage("extract", *allowed)
-    assert extract.returncode != 0
-    assert "RemoteCodeRefused" in extract.stdout + extract.stderr
+    assert "RemoteCodeRefused" in stopped(extract, tmp_path / "allowed", "extract")
     assert "Initializing executor" not in extract.stdout + extract.stderr
 
 
