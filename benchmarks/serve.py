@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -118,14 +117,13 @@ def main() -> None:
 
 def device_name(options) -> str:
     """What the engines ran on, as the report labels the speed-up: a CPU figure says so."""
-    import torch
-
     from draftline.engine import cuda_available
+    from draftline.pipeline import numerics
 
     if not cuda_available():
-        return f"CPU ({os.cpu_count()} cores)"
-    gpus = int(options.tensor_parallel_size)
-    return f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus > 1 else torch.cuda.get_device_name(0)
+        return f"CPU ({numerics.cpu()['usable_cpus']} cores)"
+    name, gpus = numerics.gpu()["names"][0], int(options.tensor_parallel_size)
+    return f"{name} x{gpus}" if gpus > 1 else name
 
 
 if __name__ == "__main__":

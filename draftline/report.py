@@ -331,7 +331,7 @@ def gate_text(gate: dict) -> str:
 
 
 def speedup_text(speedup: dict | None, exp: str) -> str:
-    """benchmarks.serve's result for this draft (draftline.serve.read_speedup), for the card."""
+    """benchmarks.serve's result for this draft (draftline.evaluate.speedup.read), for the card."""
     if not speedup:
         return (f"not measured<small><code>python -m benchmarks.serve --exp {html.escape(exp)}</code>"
                 "</small>")
@@ -398,6 +398,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
            history_source: str, target_build: dict | None = None, speedup: dict | None = None,
            exp: str = "") -> str:
     data, extract, train = manifests["regenerate"], manifests["extract"], manifests["train"]
+    overall, in_generate = extraction_rates(extract)
     metrics = train["metrics"]
     ttt = sorted({int(k.split("_")[-1]) for k in metrics["final"] if k.startswith("loss_")})
     ttt_rows = [[f"TTT step {k}", metrics["final"].get(f"loss_{k}", ""),
@@ -447,9 +448,9 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
         table([["tokens", extract["num_tokens"]], ["samples", extract["num_samples"]],
                ["shards", len(extract["shards"])],
                ["tokens/s, whole run (from before the target loaded to the last shard)",
-                extraction_rates(extract)[0] or "none extracted: this run resumed every shard"],
+                overall or "none extracted: this run resumed every shard"],
                ["tokens/s, generate calls alone (the shards' tokens / their seconds; the chart)",
-                extraction_rates(extract)[1] or "not recorded"],
+                in_generate or "not recorded"],
                ["resumed shards", extract.get("resumed_shards", "")],
                ["bytes per token on disk", extract["bytes_per_token"]["on_disk"]],
                ["wall seconds", extract.get("wall_seconds", "")]], ["extraction", "value"]),

@@ -283,8 +283,9 @@ def launch_config(cfg: DictConfig, stage: str) -> dict[str, dict]:
 def stage_files(cfg: DictConfig, stage: str) -> list[str]:
     """Files a stage reads that are neither data nor code: their hashes join its dependencies
     (one that does not exist yet counts as absent, and its appearing is a change)."""
-    if stage == "evaluate" and cfg.evaluate.gate:
-        return [str(cfg.evaluate.gate)]
+    if stage == "evaluate":
+        gate = OmegaConf.select(cfg, "evaluate.gate")  # a stamp from status.stage_files may lack it
+        return [str(gate)] if gate else []
     if stage == "report":
         return [str(speedup_file(cfg.run_dir))]
     return []

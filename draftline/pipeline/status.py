@@ -276,14 +276,15 @@ def stale_reasons(stage_dir: Path, upstream: Path | None, files: list[str]) -> l
 
 
 def stage_files(run_dir: Path, stage: str) -> list[str]:
-    """The extra files the stage's stamped config names (see config.stage_files)."""
+    """The extra files the stage's stamped config names: config.stage_files of the stamp, in
+    this run dir (without a stamp, only what follows from the run dir: report's file)."""
+    from omegaconf import OmegaConf
+
     from draftline.pipeline import artifacts, config
 
-    if stage == "report":
-        return [str(config.speedup_file(run_dir))]
     stamp = run_dir / stage / artifacts.STAMP
-    gate = artifacts.read_json(stamp).get("evaluate", {}).get("gate") if stamp.exists() else None
-    return [str(gate)] if stage == "evaluate" and gate else []
+    recorded = artifacts.read_json(stamp) if stamp.exists() else {}
+    return config.stage_files(OmegaConf.create({**recorded, "run_dir": str(run_dir)}), stage)
 
 
 def not_required(run_dir: Path) -> bool:
