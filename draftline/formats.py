@@ -159,19 +159,50 @@ def shard_metadata(fingerprint: str, aux_layer_ids: Sequence[int], hidden_size: 
     }
 
 
+def first_non_finite(probe: torch.Tensor) -> tuple[int, int, float] | None:
+    """(token, slot, value) of the first NaN/inf in token order, or None. ``probe`` is the
+    stored scales [tokens, slots] of an fp8 shard, else its values [tokens, slots, H];
+    ``value`` is the scale, or the row's first bad value. The engine's rank 0 finds the same
+    one in its shard buffer (patches/speculators/0008)."""
+    bad = ~torch.isfinite(probe)
+    if not bool(bad.any()):
+        return None
+    token, slot = (int(i) for i in bad.nonzero()[0][:2])
+    value = float(probe[token, slot].max() if probe.dim() == 2 else
+                  probe[token, slot][bad[token, slot]][0])
+    return token, slot, value
+
+
+def non_finite_error(name: str, sample_ids: Sequence[int], offsets: Sequence[int], token: int,
+                     slot: int, value: float) -> NonFiniteHiddenStates:
+    """The error for a bad value at shard row ``token``, named by its sample and its row in it."""
+    sample = max(i for i, start in enumerate(offsets[:-1]) if start <= token)
+    return NonFiniteHiddenStates(name, int(sample_ids[sample]), slot, token - offsets[sample], value)
+
+
 def _check_finite(name: str, sample_ids: Sequence[int], offsets: list[int],
                   hidden: torch.Tensor, scales: torch.Tensor | None) -> None:
     """Raise NonFiniteHiddenStates for the first NaN/inf (fp8: found through the scales)."""
-    probe = scales if scales is not None else hidden  # [tokens, slots] or [tokens, slots, H]
-    bad = ~torch.isfinite(probe)
-    if not bool(bad.any()):
-        return
-    token, slot = (int(i) for i in bad.nonzero()[0][:2])
-    sample = max(i for i, start in enumerate(offsets[:-1]) if start <= token)
-    value = float(probe[token, slot].max() if probe.dim() == 2 else
-                  probe[token, slot][bad[token, slot]][0])
-    raise NonFiniteHiddenStates(name, int(sample_ids[sample]), slot, token - offsets[sample],
-                                value)
+    found = first_non_finite(scales if scales is not None else hidden)
+    if found is not None:
+        raise non_finite_error(name, sample_ids, offsets, *found)
+
+
+def shard_rows(sample_ids: Sequence[int], input_ids: dict[int, Sequence[int] | torch.Tensor],
+               loss_masks: dict[int, Sequence[int] | torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A shard's tensors beside its hidden states, for samples in ``sample_ids`` order:
+    INPUT_IDS, LOSS_MASK, SAMPLE_OFFSETS (each sample's first row, then the total) and
+    SAMPLE_IDS."""
+    ids = [torch.as_tensor(input_ids[i], dtype=torch.int64) for i in sample_ids]
+    offsets = [0]
+    for row in ids:
+        offsets.append(offsets[-1] + len(row))
+    return {
+        INPUT_IDS: torch.cat(ids),
+        LOSS_MASK: torch.cat([torch.as_tensor(loss_masks[i], dtype=torch.uint8) for i in sample_ids]),
+        SAMPLE_OFFSETS: torch.tensor(offsets, dtype=torch.int64),
+        SAMPLE_IDS: torch.tensor(list(sample_ids), dtype=torch.int64),
+    }
 
 
 def pack_shard(sample_ids: Sequence[int], results: dict[int, dict],
@@ -187,7 +218,7 @@ def pack_shard(sample_ids: Sequence[int], results: dict[int, dict],
     (the shard), the sample, the slot and the token.
     """
     quantized = is_quantized(save_dtype)
-    slots, scales, ids, masks, offsets = [], [], [], [], [0]
+    slots, scales = [], []
     for sample_id in sample_ids:
         result = results[sample_id]
         slots.append(torch.stack(result["hidden_states"], dim=1))  # [T, num_slots, H]
@@ -196,24 +227,16 @@ def pack_shard(sample_ids: Sequence[int], results: dict[int, dict],
                 raise ValueError(f"sample {sample_id}: the generator returned fp8 scales, "
                                  f"save_dtype is {save_dtype}")
             scales.append(torch.stack(result["hidden_states_scales"], dim=1))  # [T, slots]
-        ids.append(result["input_ids"])
-        masks.append(torch.as_tensor(loss_masks[sample_id], dtype=torch.uint8))
-        offsets.append(offsets[-1] + len(result["input_ids"]))
     if scales and len(scales) != len(slots):
         raise ValueError("some samples came with fp8 scales and some without")
+    rows = shard_rows(sample_ids, {i: results[i]["input_ids"] for i in sample_ids}, loss_masks)
     hidden = torch.cat(slots)  # [tokens, num_slots, H]
     if quantized and not scales:
         hidden, scale = quantize_fp8(hidden)
     else:
         hidden, scale = hidden.to(SAVE_DTYPES[save_dtype]), torch.cat(scales) if scales else None
-    _check_finite(name, sample_ids, offsets, hidden, scale)
-    tensors = {
-        HIDDEN_STATES: hidden.contiguous(),
-        INPUT_IDS: torch.cat(ids).to(torch.int64),
-        LOSS_MASK: torch.cat(masks),
-        SAMPLE_OFFSETS: torch.tensor(offsets, dtype=torch.int64),
-        SAMPLE_IDS: torch.tensor(sample_ids, dtype=torch.int64),
-    }
+    _check_finite(name, sample_ids, rows[SAMPLE_OFFSETS].tolist(), hidden, scale)
+    tensors = {HIDDEN_STATES: hidden.contiguous(), **rows}
     if scale is not None:
         tensors[HIDDEN_SCALES] = scale.to(SCALE_DTYPE).contiguous()
     return tensors

@@ -27,9 +27,8 @@ from draftline.pipeline.stage import refuse_mistakes, run_stage
 
 def run(cfg: DictConfig) -> dict:
     from draftline.rehearse.run import rehearse
-    from stages.extract import make_generator  # extraction starts exactly as `make extract` starts it
 
-    return rehearse(cfg, make_generator)
+    return rehearse(cfg)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

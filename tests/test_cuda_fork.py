@@ -33,8 +33,9 @@ import importlib
 module = importlib.import_module(sys.argv[1])
 seen.append(["imported", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")])
 if sys.argv[1] == "stages.extract":  # the preflight that asks before speculators imports vLLM
-    module.check_devices(1)
-    module.replica_environments(1, 1)
+    from draftline.extract import preflight, run
+    preflight.check_devices(1)
+    run.replica_environments(1, 1)
 print(json.dumps(seen))
 """
 
@@ -60,7 +61,7 @@ if sys.argv[1] == "fixed":
     import stages  # the stage boundary: what every `python -m stages.<stage>` imports first
 import torch
 if sys.argv[1] == "extract":
-    from stages.extract import check_devices
+    from draftline.extract.preflight import check_devices
     check_devices(1)  # extract's own preflight, before speculators imports vLLM
 else:
     assert torch.cuda.is_available() and torch.cuda.device_count() >= 1

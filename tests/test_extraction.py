@@ -316,3 +316,99 @@ def test_kimi_k25_vision_weights_load_into_vllm_tower(tmp_path):
     report = json.loads(lines[-1][len("RESULT "):])
     assert report == {"missing": [], "unexpected": [], "shape": [],
                       "embedding_shapes": [[1, 256]]}, report
+
+
+# --------------------------------------------------------------------------- rank 0 writes the shards
+POISONED_TOKEN = 6  # _prompts draws from 7 up: only prompts that add it meet a NaN
+
+
+@pytest.fixture(scope="module")
+def poisoned(llama, tmp_path_factory):
+    """The llama target with token 6's embedding NaN: prompts without it are the plain
+    model's, a prompt with it carries NaN from that position on (a NaN in the engine)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path_factory.mktemp("poisoned") / "model"
+    shutil.copytree(llama[0], model_dir)
+    (weights,) = model_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    (embedding,) = [name for name in tensors if name.endswith("embed_tokens.weight")]
+    tensors[embedding][POISONED_TOKEN] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float8_e4m3fn"])
+def shard_engine(request, poisoned):
+    """One engine per storage dtype, its rank 0 ready to write shards (patches/0008); with
+    no shard open it returns rows to the driver as before, so it serves both writers."""
+    from draftline.extract import writer
+
+    generator = _make_generator(poisoned, LLAMA_AUX_IDS, hidden_states_dtype=request.param)
+    generator.open_shard_writer(capacity_tokens=400, writer=writer.WRITER, num_buffers=2)
+    yield request.param, generator
+    generator.shutdown()
+
+
+def _write_shards(generator, path, save_dtype, out_dir, prompts, shard_tokens=200, budget=150):
+    """Every shard of ``prompts`` by one of the writers; the time split."""
+    from draftline import formats
+    from draftline.extract import shards, writer
+    from draftline.pipeline.progress import TOKENS, Progress
+
+    lengths = [len(p) for p in prompts]
+    plans = shards.plan_shards(lengths, shard_tokens)
+    masks = [[(i + j) % 2 for j in range(n)] for i, n in enumerate(lengths)]
+    metadata = formats.shard_metadata("identity test", LLAMA_AUX_IDS, 256)
+    progress = Progress("test", sum(lengths), unit=TOKENS, quiet=True)
+    split = writer.TimeSplit()
+    if path == "rank0":
+        writer.on_rank0(generator, plans, prompts, masks, out_dir, budget, metadata, progress, split)
+    else:
+        writer.in_driver(generator, plans, prompts, masks, out_dir, budget, save_dtype, metadata,
+                         progress, split)
+    return plans, split
+
+
+def test_rank0_writer_writes_the_driver_paths_shards(shard_engine, tmp_path):
+    """The same prompts through both writers: every shard byte-identical (a shard spans
+    several generate() calls, a prompt is prefilled in chunks across steps and shares steps
+    with others); rank 0 reports its writes and the driver never sees a row."""
+    from draftline.pipeline.artifacts import sha256_file
+
+    save_dtype, generator = shard_engine
+    prompts = _prompts(512) * 2
+    hashes = {}
+    for path in ("driver", "rank0"):
+        plans, split = _write_shards(generator, path, save_dtype, tmp_path / path, prompts)
+        hashes[path] = [sha256_file(tmp_path / path / plan.name) for plan in plans]
+        assert all((tmp_path / path / plan.name).with_suffix(".timing.json").exists() for plan in plans)
+        assert split.forward > 0 and (split.writing > 0) and split.serial == (path == "driver")
+    assert len(hashes["rank0"]) == 4 and hashes["rank0"] == hashes["driver"], hashes
+
+
+def test_rank0_writer_never_writes_a_shard_with_nan(shard_engine, tmp_path):
+    """A NaN in the engine (the poisoned token's embedding, in the fourth prompt) stops both
+    writers with the same NonFiniteHiddenStates (shard, sample, slot, token); neither leaves
+    the shard, the shard before it is written, and the engine goes on afterwards."""
+    from draftline import formats
+
+    save_dtype, generator = shard_engine
+    prompts = _prompts(512)
+    prompts[3] = prompts[3][:11] + [POISONED_TOKEN] + prompts[3][12:]  # in the second shard
+    messages = {}
+    for path in ("driver", "rank0"):
+        out_dir = tmp_path / path
+        with pytest.raises(formats.NonFiniteHiddenStates) as failure:
+            _write_shards(generator, path, save_dtype, out_dir, prompts)
+        messages[path] = str(failure.value).replace(str(out_dir), "<dir>")
+        # CPU attention spreads the NaN to the sample's earlier rows too (0 x NaN): its first
+        # row is the first bad one; the samples before it are clean.
+        assert failure.value.sample_id == 3, messages[path]
+        assert sorted(p.name for p in out_dir.glob("*.safetensors")) == ["shard-00000.safetensors"]
+        assert not list(out_dir.glob(".*.tmp"))
+    assert messages["rank0"] == messages["driver"], messages
+    plans, _ = _write_shards(generator, "rank0", save_dtype, tmp_path / "after", _prompts(512))
+    assert all((tmp_path / "after" / plan.name).exists() for plan in plans)

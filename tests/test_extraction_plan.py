@@ -22,7 +22,9 @@ from draftline import formats, target
 from draftline.extract import shards
 from draftline.pipeline import artifacts, config
 from draftline.tiny import targets
-from stages import extract as extract_stage
+from draftline.extract import plan as extract_plan
+from draftline.extract import preflight as extract_preflight
+from draftline.extract import run as extract_run
 from conftest import compose
 
 
@@ -112,7 +114,7 @@ def test_aux_ids_outside_the_layers_or_repeated_are_refused(ids):
 
 
 def test_preflight_passes_the_tiny_target(model_dir):
-    shape = extract_stage.preflight(tiny_cfg(model_dir), [10, 500])
+    shape = extract_preflight.preflight(tiny_cfg(model_dir), [10, 500])
     assert (shape.num_layers, shape.hidden_size) == (6, 256)
 
 
@@ -127,11 +129,11 @@ def test_preflight_passes_the_tiny_target(model_dir):
 def test_preflight_refuses_before_any_model_load(model_dir, overrides, lengths, message):
     """preflight reads config.json only; each refusal names the mismatch."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        extract_stage.preflight(tiny_cfg(model_dir, *overrides), lengths)
+        extract_preflight.preflight(tiny_cfg(model_dir, *overrides), lengths)
 
 
 def test_a_sample_one_token_shorter_than_max_model_len_fits(model_dir):
-    extract_stage.preflight(tiny_cfg(model_dir, "extract.max_model_len=64"), [63])
+    extract_preflight.preflight(tiny_cfg(model_dir, "extract.max_model_len=64"), [63])
 
 
 def test_bytes_per_token_and_the_disk_check(tmp_path):
@@ -292,9 +294,9 @@ def test_an_extract_config_change_invalidates_every_shard(model_dir, tmp_path, c
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
     run = f"run_dir={tmp_path}"
-    before = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
-    assert before == extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
-    after = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, change), samples)
+    before = extract_plan.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    assert before == extract_plan.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    after = extract_plan.shard_fingerprint(tiny_cfg(model_dir, run, change), samples)
     assert after != before
     plan = shards.ShardPlan(0, (0,), 2)
     write_planned_shard(tmp_path / plan.name, plan, before)
@@ -305,16 +307,16 @@ def test_other_samples_or_another_target_invalidate_the_shards(model_dir, tmp_pa
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path}")
-    base = extract_stage.shard_fingerprint(cfg, samples)
+    base = extract_plan.shard_fingerprint(cfg, samples)
     samples.write_bytes(b"samplez")
-    assert extract_stage.shard_fingerprint(cfg, samples) != base
+    assert extract_plan.shard_fingerprint(cfg, samples) != base
     samples.write_bytes(b"samples")
     other = shutil.copytree(model_dir, tmp_path / "other-target")
     weights = other / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # one bit of one weight: same size, same names
     weights.write_bytes(bytes(data))
-    assert extract_stage.shard_fingerprint(tiny_cfg(other, f"run_dir={tmp_path}"), samples) != base
+    assert extract_plan.shard_fingerprint(tiny_cfg(other, f"run_dir={tmp_path}"), samples) != base
 
 
 def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shards(model_dir, tmp_path):
@@ -325,24 +327,24 @@ def test_the_same_inputs_in_two_run_dirs_give_one_fingerprint_and_identical_shar
     shape the tensors (the disk headroom) leaves it alone."""
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
-    first = extract_stage.shard_fingerprint(tiny_cfg(model_dir, f"run_dir={tmp_path / 'a'}"), samples)
+    first = extract_plan.shard_fingerprint(tiny_cfg(model_dir, f"run_dir={tmp_path / 'a'}"), samples)
     copy = shutil.copytree(model_dir, tmp_path / "elsewhere" / "target", copy_function=shutil.copy)
     os.utime(copy / "config.json", ns=(1, 1))
     (copy / ".cache").mkdir()
     (copy / ".cache" / "download.metadata").write_text("etag, fetched at 12:00")
     (copy / "build.json").write_text('{"seconds": 189.1}')
     elsewhere = tiny_cfg(copy, f"run_dir={tmp_path / 'elsewhere' / 'b'}", "extract.disk_headroom=2")
-    second = extract_stage.shard_fingerprint(elsewhere, samples)
+    second = extract_plan.shard_fingerprint(elsewhere, samples)
     assert second == first
     plan = shards.ShardPlan(0, (1, 2), 4)
     for run in ("a", "elsewhere/b"):
         write_planned_shard(tmp_path / run / plan.name, plan, first if run == "a" else second)
     assert (tmp_path / "a" / plan.name).read_bytes() == (tmp_path / "elsewhere/b" / plan.name).read_bytes()
     # The per-file hashes are cached by path, size and mtime, and only content reaches the digest.
-    cache = tmp_path / "elsewhere" / "b" / "extract" / extract_stage.TARGET_DIGEST_CACHE
+    cache = tmp_path / "elsewhere" / "b" / "extract" / extract_plan.TARGET_DIGEST_CACHE
     assert sorted(Path(p).name for p in artifacts.read_json(cache)) == sorted(
         p.name for p in model_dir.iterdir() if p.name != "build.json")
-    assert extract_stage.shard_fingerprint(elsewhere, samples) == first
+    assert extract_plan.shard_fingerprint(elsewhere, samples) == first
 
 
 def test_the_target_digest_reads_a_file_again_once_its_size_or_mtime_moves(model_dir, tmp_path):
@@ -412,8 +414,8 @@ def test_replicas_and_slices_leave_the_fingerprint_alone(model_dir, tmp_path, la
     samples = tmp_path / "samples.safetensors"
     samples.write_bytes(b"samples")
     run = f"run_dir={tmp_path}"
-    one = extract_stage.shard_fingerprint(tiny_cfg(model_dir, run), samples)
-    assert extract_stage.shard_fingerprint(tiny_cfg(model_dir, run, launch_key), samples) == one
+    one = extract_plan.shard_fingerprint(tiny_cfg(model_dir, run), samples)
+    assert extract_plan.shard_fingerprint(tiny_cfg(model_dir, run, launch_key), samples) == one
 
 
 def test_replicas_get_disjoint_gpus_or_cpu_cores():
@@ -436,7 +438,7 @@ def sliced_run(tmp_path: Path, model_dir: Path, lengths: list[int]):
     formats.write_samples(regenerate_dir / "samples.safetensors", ids, [[1] * n for n in lengths])
     artifacts.write_manifest(regenerate_dir, {"replies": "data"}, samples="samples.safetensors")
     cfg = tiny_cfg(model_dir, f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10")
-    fingerprint = extract_stage.shard_fingerprint(cfg, regenerate_dir / "samples.safetensors")
+    fingerprint = extract_plan.shard_fingerprint(cfg, regenerate_dir / "samples.safetensors")
     return cfg, shards.plan_shards(lengths, 10), fingerprint
 
 
@@ -452,7 +454,7 @@ def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_mani
             write_planned_shard(out_dir / plan.name, plan, fingerprint if plan.index != 4 else "old")
     overrides = ["experiment=tiny", f"run_dir={tmp_path / 'run'}", "extract.shard_tokens=10"]
     with pytest.raises(RuntimeError) as failure:
-        extract_stage.run(cfg, overrides)
+        extract_run.run(cfg, overrides)
     message = str(failure.value)
     assert "2 of 7 planned shards are missing" in message, message
     assert "shard-00001.safetensors (slice 1/3)" in message and "shard-00004.safetensors (slice 1/3)" in message
@@ -463,7 +465,7 @@ def test_finalize_names_the_missing_shards_and_the_commands_then_writes_the_mani
 
     for index in (1, 4):
         write_planned_shard(out_dir / plans[index].name, plans[index], fingerprint)
-    fields = extract_stage.run(cfg, overrides)
+    fields = extract_run.run(cfg, overrides)
     assert [r["file"] for r in fields["shards"]] == [p.name for p in plans]
     assert fields["resumed_shards"] == 7 and fields["num_tokens"] == 70
     assert fields["shards"][4]["sha256"] == artifacts.sha256_file(out_dir / plans[4].name)

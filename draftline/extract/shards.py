@@ -2,8 +2,7 @@
 
 The shard plan depends only on the sample lengths and the configured shard size, so a rerun
 after a crash rebuilds the same plan, keeps every shard already on disk (each was renamed
-into place whole) and produces byte-identical remaining shards. Only this module (and only
-inside `extract_shards`) imports vLLM.
+into place whole) and produces byte-identical remaining shards. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -13,12 +12,10 @@ import logging
 import re
 import shlex
 import shutil
-import time
 from pathlib import Path
 
 from draftline import formats
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
-from draftline.pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
 ID_AND_MASK_BYTES = 8 + 1  # int64 input id + uint8 loss mask per token
@@ -94,32 +91,6 @@ def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
         return False
     metadata, sample_ids = formats.read_shard_identity(path)
     return metadata.get(formats.FINGERPRINT) == fingerprint and sample_ids == plan.sample_ids
-
-def extract_shards(generator, plans: list[ShardPlan], samples: list[list[int]],
-                   loss_masks: list[list[int]], out_dir: Path, token_budget: int,
-                   save_dtype: str, metadata: dict[str, str], progress: Progress) -> list[dict]:
-    """Run every pending shard through ``generator``; return one record per written shard."""
-    lengths = [len(s) for s in samples]
-    written = []
-    for plan in plans:
-        path = out_dir / plan.name
-        if shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
-            continue
-        results = {}
-        start = time.monotonic()
-        for batch in plan_batches(plan.sample_ids, lengths, token_budget):
-            outputs = generator.generate([samples[i] for i in batch])
-            results.update(zip(batch, outputs))
-            progress.advance(sum(lengths[i] for i in batch))
-        masks = {i: loss_masks[i] for i in plan.sample_ids}
-        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype,
-                                                     name=str(path)), metadata)
-        # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.
-        write_json(timing_path(path), {"seconds": time.monotonic() - start,
-                                       "finished_unix": time.time()})
-        written.append(plan.index)
-    return written
-
 
 def timing_path(shard: Path) -> Path:
     """shard-NNNNN.safetensors -> shard-NNNNN.timing.json (extraction seconds of that shard)."""

@@ -45,7 +45,7 @@ PARTIAL_KEYS = {"rehearse": {"train": ("num_layers", "ttt_steps", "steps", "max_
 # left out of the stage's stamp, recorded config and shard fingerprint, so switching GPUS=1 to
 # GPUS=8, or one extraction engine to `extract.replicas=8` or `SHARD=i/N`, reruns nothing; the
 # manifest records them apart (`launch`).
-LAUNCH_KEYS = {"extract": ("replicas", "shard"),
+LAUNCH_KEYS = {"extract": ("replicas", "shard", "writer"),
                "train": ("gpus", "nodes", "rendezvous", "collective_timeout_s")}
 
 

@@ -1,7 +1,7 @@
 """The rehearsal's checks: each one the real run's code on the miniature, timed and logged.
 
 * extraction: a few of tokenize's samples through extract's own path (speculators' patched
-  generator started by extract's ``make_generator``, draftline.extract.shards writing real
+  generator started by extract's ``make_generator``, extract's own writer writing real
   shards); every slot of every sample compared with transformers on the same miniature: the
   row must be nearest to the layer input it names, within the dtype's tolerance.
 * speculative decoding: evaluate's measurement (draftline.serve.measure_replies, the draft in
@@ -148,11 +148,14 @@ def judge(errors: list, tol: float, flipped_share: float) -> list[dict]:
     return summary
 
 
-def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
-               masks: list[list[int]], out_dir: Path, reference_model) -> tuple[dict, str]:
-    """Extract's path on the miniature into ``out_dir``, then every slot against transformers."""
+def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_dir: Path,
+               reference_model) -> tuple[dict, str]:
+    """Extract's path on the miniature into ``out_dir`` (its generator, its writer: the
+    engine's rank 0 unless the run says otherwise), then every slot against transformers."""
     from draftline import formats
-    from draftline.extract import shards
+    from draftline.extract import shards, writer
+    from draftline.extract.generator import make_generator
+    from draftline.extract.run import write_shards
     from draftline.pipeline.progress import TOKENS, Progress
     from draftline.rehearse import cost
     from draftline.tiny import miniature
@@ -166,10 +169,10 @@ def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
     generator = make_generator(cfg_mini)
     engine_ready = time.monotonic()
     log.info("extraction engine started in %.1f s", engine_ready - started)
+    split = writer.TimeSplit()
     try:
-        shards.extract_shards(generator, plans, samples, masks, out_dir, int(cfg_mini.extract.token_budget),
-                              str(cfg_mini.extract.save_dtype), metadata,
-                              Progress("rehearse extract", sum(lengths), unit=TOKENS, quiet=True))
+        write_shards(cfg_mini, generator, plans, samples, masks, out_dir, metadata,
+                     Progress("rehearse extract", sum(lengths), unit=TOKENS, quiet=True), split)
     except BaseException as error:
         raise RuntimeError(f"extraction failed {time.monotonic() - engine_ready:.1f} s after its engine "
                            f"started ({engine_ready - started:.1f} s to start)") from error
@@ -183,7 +186,8 @@ def extraction(cfg_mini, make_generator: Callable, samples: list[list[int]],
                                  str(cfg_mini.extract.save_dtype))
     record = {"samples": len(samples), "tokens": sum(lengths), "shards": len(plans),
               "shard_bytes": written, "estimated_bytes": estimated,
-              "engine_start_seconds": engine_ready - started}
+              "engine_start_seconds": engine_ready - started,
+              "time_split": split.record(str(cfg_mini.extract.writer))}
     model, why = reference_model
     if model is None:
         record["compared_with_transformers"] = why

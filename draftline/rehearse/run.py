@@ -1,7 +1,7 @@
 """The rehearsal in order: cost, miniature, extraction, speculative decoding, `vllm serve`.
 
-``rehearse(cfg, make_generator)`` is the stage's work (stages/rehearse.py passes extract's own
-generator factory, so extraction starts exactly as `make extract` starts it). Every engine
+``rehearse(cfg)`` is the stage's work. Extraction starts exactly as `make extract` starts it
+(draftline.extract's generator and writer). Every engine
 starts through draftline.engine's builder on the run's config with the model group pointed at
 the miniature (draftline.rehearse.scope). The first failing check raises.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -60,7 +59,7 @@ def miniature_check(cfg: DictConfig, plan: scope.Scope, out_dir: Path):
     return built, built.layers.describe()
 
 
-def rehearse(cfg: DictConfig, make_generator: Callable) -> dict:
+def rehearse(cfg: DictConfig) -> dict:
     """Every check in order (logged with PASS/FAIL and seconds); the manifest's fields."""
     from draftline import regenerate
     from draftline.tiny import miniature
@@ -83,7 +82,7 @@ def rehearse(cfg: DictConfig, make_generator: Callable) -> dict:
     shards_dir.mkdir(parents=True)
     if "extraction" not in plan.skip:
         records["extraction"] = run.check("extraction vs HF", lambda: checks.extraction(
-            mini_cfg, make_generator, samples, masks, shards_dir, miniature.load_reference(mini.path)))
+            mini_cfg, samples, masks, shards_dir, miniature.load_reference(mini.path)))
     draft, k = build_draft(cfg, mini_cfg, out_dir / "draft")
     options = engine.engine_options(mini_cfg, mini_cfg.evaluate.vllm)
     new_tokens = int(cfg.rehearse.max_new_tokens)

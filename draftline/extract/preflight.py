@@ -1,0 +1,98 @@
+"""Every check extract can make before a (possibly 25-minute) model load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from draftline import formats, target
+from draftline.extract import shards
+
+NUM_BUFFERS = 2  # rank 0's shard buffers: one fills while the writer thread writes the other
+
+
+def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> target.TargetShape:
+    """Config, target and devices against each other. ``replicas``: the engines this process
+    may start, whose devices and shard buffers are checked (None: it starts none)."""
+    if cfg.extract.save_dtype not in formats.SAVE_DTYPES:
+        raise ValueError(f"extract.save_dtype={cfg.extract.save_dtype!r}: expected one of "
+                         f"{sorted(formats.SAVE_DTYPES)}")
+    if cfg.extract.writer not in WRITERS:
+        raise ValueError(f"extract.writer={cfg.extract.writer!r}: expected one of {WRITERS}")
+    target.check(cfg.model.path, bool(cfg.model.trust_remote_code))
+    shape = target.read_target_shape(cfg.model.path)
+    target.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
+    if (shape.num_layers, shape.hidden_size) != (cfg.model.num_layers, cfg.model.hidden_size):
+        raise ValueError(f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
+            f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
+    if max(lengths) >= cfg.extract.max_model_len:
+        raise ValueError(f"longest sample has {max(lengths)} tokens; extract.max_model_len="
+            f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")
+    if replicas is not None:
+        check_devices(int(cfg.model.tensor_parallel_size), replicas)
+        if cfg.extract.writer == RANK0:
+            check_host_memory(cfg, shape.hidden_size, replicas)
+    return shape
+
+
+# Who writes the shards: the engine's rank 0, beside the forward (patches/speculators/0008),
+# or this process after every byte crossed vLLM's RPC (the path before draftline issue 30,
+# kept to hold the two to the same bytes and to measure one against the other).
+RANK0, DRIVER = "rank0", "driver"
+WRITERS = (RANK0, DRIVER)
+
+
+def check_devices(tensor_parallel_size: int, replicas: int = 1) -> None:
+    import torch
+
+    if replicas < 1:
+        raise ValueError(f"extract.replicas={replicas}: need at least one engine")
+    what = "" if replicas == 1 else f"{replicas} replicas x "
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if replicas * tensor_parallel_size > count:
+            raise ValueError(f"{what}tensor_parallel_size={tensor_parallel_size} > {count} GPUs")
+    else:
+        if replicas * tensor_parallel_size > os.cpu_count():
+            raise ValueError(f"{what}TP {tensor_parallel_size} > CPU cores")
+
+
+def buffer_tokens(cfg: DictConfig) -> int:
+    """Rows of one shard buffer: a shard closes at the first sample that brings it to
+    extract.shard_tokens, and no sample reaches extract.max_model_len."""
+    return int(cfg.extract.shard_tokens) + int(cfg.extract.max_model_len)
+
+
+def buffer_bytes(cfg: DictConfig, hidden_size: int) -> int:
+    """Host memory of one engine's shard buffers (pinned on CUDA)."""
+    per_token = (len(cfg.model.aux_layer_ids) + 1) * formats.stored_bytes_per_slot(
+        str(cfg.extract.save_dtype), hidden_size)
+    return NUM_BUFFERS * buffer_tokens(cfg) * per_token
+
+
+def check_host_memory(cfg: DictConfig, hidden_size: int, replicas: int,
+                      meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Refuse a start whose shard buffers (every engine's) do not fit in available RAM."""
+    need = replicas * buffer_bytes(cfg, hidden_size)
+    available = available_memory(meminfo)
+    if available is not None and need > available:
+        engines = f"{replicas} engines x " if replicas > 1 else ""
+        raise ValueError(
+            f"extract's shard buffers need {need / 2**30:.1f} GiB of host memory ({engines}"
+            f"{NUM_BUFFERS} buffers of extract.shard_tokens={cfg.extract.shard_tokens} + "
+            f"extract.max_model_len={cfg.extract.max_model_len} tokens, "
+            f"{str(cfg.extract.save_dtype)}), {available / 2**30:.1f} GiB is available: "
+            "lower extract.shard_tokens (smaller shards, same bytes per token)")
+    return need
+
+
+def available_memory(meminfo: Path) -> int | None:
+    """MemAvailable in bytes (Linux), or None where the kernel does not say."""
+    if not meminfo.exists():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
