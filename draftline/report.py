@@ -353,6 +353,19 @@ def extraction_text(extract: dict) -> str:
     return f"{overall:.0f} tok/s<small>whole run, target load included" + (f"; {alone}" if alone else "") + "</small>"
 
 
+def time_split_text(split: dict | None) -> str:
+    """The manifest's time split in words: forward, waiting on the capture path, writing."""
+    if not split:
+        return "not recorded (replicas or slices made the shards, or all were on disk)"
+    where = ("beside the forwards, on the engine's rank 0" if split["writing_overlaps_forward"]
+             else "between the forwards, in this process")
+    verdict = ("capture-bound: the forwards waited on the capture path" if split["capture_bound"]
+               else "forward-bound: the capture path kept up")
+    return (f"forward {split['forward_s']:.1f} s, waiting on copies or the writer "
+            f"{split['waiting_s']:.1f} s, writing {split['writing_s']:.1f} s ({where}); "
+            f"{verdict} ({split['capture_share']:.0%} of the time; writer {split['writer']})")
+
+
 def extraction_rates(extract: dict) -> tuple[float, float | None]:
     """The run's overall tokens/s (from before the engine started to the last shard) and the
     generate calls' alone (the shards' tokens over their seconds), where the shards record them."""
@@ -451,6 +464,7 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
                 overall or "none extracted: this run resumed every shard"],
                ["tokens/s, generate calls alone (the shards' tokens / their seconds; the chart)",
                 in_generate or "not recorded"],
+               ["where the run's seconds went (one engine)", time_split_text(extract.get("time_split"))],
                ["resumed shards", extract.get("resumed_shards", "")],
                ["bytes per token on disk", extract["bytes_per_token"]["on_disk"]],
                ["wall seconds", extract.get("wall_seconds", "")]], ["extraction", "value"]),

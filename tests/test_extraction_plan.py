@@ -132,6 +132,27 @@ def test_preflight_refuses_before_any_model_load(model_dir, overrides, lengths, 
         extract_preflight.preflight(tiny_cfg(model_dir, *overrides), lengths)
 
 
+def test_the_shard_buffers_must_fit_in_available_memory(model_dir, tmp_path):
+    """Rank 0's two shard buffers (pinned on CUDA) per engine, against MemAvailable; the
+    refusal names the key that shrinks them. Kimi-K2.5's widths: a 65,536-token bf16 shard
+    is 3.76 GB, a buffer holds max_model_len more tokens."""
+    kimi = compose("kimi-k2.5", "extract.save_dtype=bfloat16")
+    assert extract_preflight.buffer_bytes(kimi, 7168) == 2 * (65536 + 8192) * 4 * 7168 * 2
+    assert extract_preflight.buffer_bytes(compose("kimi-k2.5"), 7168) == 2 * (65536 + 8192) * 4 * (7168 + 4)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   16000000 kB\n")
+    assert extract_preflight.check_host_memory(kimi, 7168, 1, meminfo) < 16000000 * 1024
+    with pytest.raises(ValueError, match=re.escape(
+            "need 15.8 GiB of host memory (2 engines x 2 buffers of extract.shard_tokens=65536 + "
+            "extract.max_model_len=8192 tokens, bfloat16), 15.3 GiB is available: lower "
+            "extract.shard_tokens")):
+        extract_preflight.check_host_memory(kimi, 7168, 2, meminfo)
+    with pytest.raises(ValueError, match="lower extract.shard_tokens"):  # through the preflight
+        extract_preflight.preflight(tiny_cfg(model_dir, "extract.shard_tokens=100000000"), [10])
+    extract_preflight.preflight(tiny_cfg(model_dir, "extract.shard_tokens=100000000",
+                                         "extract.writer=driver"), [10])  # no buffers there
+
+
 def test_a_sample_one_token_shorter_than_max_model_len_fits(model_dir):
     extract_preflight.preflight(tiny_cfg(model_dir, "extract.max_model_len=64"), [63])
 

@@ -60,14 +60,14 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
              metadata: dict[str, str], progress: Progress, split: TimeSplit) -> list[int]:
     """Every pending shard of ``plans`` written by the engine's rank 0; their indices."""
     lengths = [len(s) for s in samples]
-    started, written = {}, []
+    seconds, written = {}, []  # this process's seconds per shard: begin to finish
 
     def note(done: list[dict]) -> None:  # writes rank 0 finished since the last call
         for record in done:
             path = Path(record["path"])
             split.writing += record["write_s"]
             write_json(shards.timing_path(path), {
-                "seconds": record["finished_unix"] - started[path],
+                "seconds": seconds[path], "write_seconds": record["write_s"],
                 "finished_unix": record["finished_unix"]})
 
     def waited(call, *args) -> dict:
@@ -81,7 +81,7 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
         path = out_dir / plan.name
         if shards.shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
             continue
-        started[path] = time.time()
+        started = time.monotonic()
         rows = formats.shard_rows(plan.sample_ids, {i: samples[i] for i in plan.sample_ids},
                                   {i: loss_masks[i] for i in plan.sample_ids})
         offsets = rows[formats.SAMPLE_OFFSETS].tolist()
@@ -95,7 +95,8 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
             generator.generate([samples[i] for i in batch], offsets=[at[i] for i in batch])
             split.forward += time.monotonic() - start
             progress.advance(sum(lengths[i] for i in batch), detail=split.line())
-        status = waited(generator.finish_shard)
+        status = waited(generator.finish_shard)  # its write is noted at a later call
+        seconds[path] = time.monotonic() - started
         if status["non_finite"] is not None:
             raise formats.non_finite_error(str(path), plan.sample_ids, offsets,
                                            *status["non_finite"])
