@@ -546,3 +546,21 @@ def test_shard_records_name_samples_tokens_bytes_sha_and_recorded_seconds(tmp_pa
          **({"seconds": 1.5} if p.index == 0 else {})}
         for p in plans]
     assert [(r["samples"], r["tokens"]) for r in records] == [(2, 7), (1, 5)]
+
+
+def test_a_stopped_writers_temp_files_of_pending_shards_go_and_no_others(tmp_path):
+    """A kill -9 mid-write leaves `.shard-NNNNN.safetensors.<random>.tmp` (atomic_path), up to
+    a shard's size each; the next run removes those of the shards it is about to make only
+    (another host's slice may be writing its own)."""
+    from draftline.pipeline.artifacts import atomic_path
+
+    plans = shards.plan_shards([10] * 4, 10)
+    for plan in plans:
+        with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / plan.name) as tmp:
+            tmp.write_bytes(b"partial")
+            (tmp_path / f"{tmp.name}.kept").write_bytes(tmp.read_bytes())  # what a kill leaves
+            raise KeyboardInterrupt
+    for kept in tmp_path.glob("*.kept"):
+        kept.rename(tmp_path / kept.name.removesuffix(".kept"))
+    assert shards.remove_partial_writes(tmp_path, plans[1:3]) == 2
+    assert sorted(p.name.split(".")[1] for p in tmp_path.glob(".*.tmp")) == ["shard-00000", "shard-00003"]

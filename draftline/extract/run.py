@@ -54,6 +54,8 @@ def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
     or ``extract.replicas`` children; return those that were pending, the tokens/s and,
     with one engine here, where its seconds went."""
     pending = shards.incomplete_shards(plans, inputs.out_dir, inputs.fingerprint)
+    if removed := shards.remove_partial_writes(inputs.out_dir, pending):
+        log.info("removed %d partial shard writes a stopped run left", removed)
     num_slots = len(cfg.model.aux_layer_ids) + 1
     per_token = shards.bytes_per_token(num_slots, inputs.shape.hidden_size, cfg.extract.save_dtype)
     remaining = sum(p.num_tokens for p in pending)

@@ -92,6 +92,16 @@ def shard_is_complete(path: Path, plan: ShardPlan, fingerprint: str) -> bool:
     metadata, sample_ids = formats.read_shard_identity(path)
     return metadata.get(formats.FINGERPRINT) == fingerprint and sample_ids == plan.sample_ids
 
+def remove_partial_writes(out_dir: Path, plans: list[ShardPlan]) -> int:
+    """Temp files a killed writer left of these shards (artifacts.atomic_path's names); each
+    may be a shard's size, so restarts would fill the disk. Only the shards this process is
+    about to make: another slice's host may be writing its own. Returns how many went."""
+    partial = [tmp for plan in plans for tmp in out_dir.glob(f".{plan.name}.*.tmp")]
+    for tmp in partial:
+        tmp.unlink(missing_ok=True)
+    return len(partial)
+
+
 def timing_path(shard: Path) -> Path:
     """shard-NNNNN.safetensors -> shard-NNNNN.timing.json (extraction seconds of that shard)."""
     return shard.with_suffix(".timing.json")

@@ -17,7 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from draftline import formats
+from draftline import engine, formats
 from draftline.extract import shards
 from draftline.pipeline.artifacts import write_json
 from draftline.pipeline.progress import Progress
@@ -77,32 +77,51 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
         note(status["written"])
         return status
 
-    for plan in plans:
-        path = out_dir / plan.name
-        if shards.shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
-            continue
-        started = time.monotonic()
-        rows = formats.shard_rows(plan.sample_ids, {i: samples[i] for i in plan.sample_ids},
-                                  {i: loss_masks[i] for i in plan.sample_ids})
-        offsets = rows[formats.SAMPLE_OFFSETS].tolist()
-        at = dict(zip(plan.sample_ids, offsets))
-        waited(generator.begin_shard, {
-            "path": str(path), "num_tokens": plan.num_tokens, "tensors": rows,
-            "metadata": metadata, "values_key": formats.HIDDEN_STATES,
-            "scales_key": formats.HIDDEN_SCALES})
-        for batch in shards.plan_batches(plan.sample_ids, lengths, token_budget):
-            start = time.monotonic()
-            generator.generate([samples[i] for i in batch], offsets=[at[i] for i in batch])
-            split.forward += time.monotonic() - start
-            progress.advance(sum(lengths[i] for i in batch), detail=split.line())
-        status = waited(generator.finish_shard)  # its write is noted at a later call
-        seconds[path] = time.monotonic() - started
-        if status["non_finite"] is not None:
-            raise formats.non_finite_error(str(path), plan.sample_ids, offsets,
-                                           *status["non_finite"])
-        written.append(plan.index)
+    try:
+        for plan in plans:
+            path = out_dir / plan.name
+            if shards.shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
+                continue
+            seconds[path] = _on_rank0_shard(generator, plan, samples, loss_masks, lengths, path,
+                                            token_budget, metadata, progress, split, waited)
+            written.append(plan.index)
+    except BaseException as error:
+        # Shards already handed to rank 0's writer are whole: keep them (a rerun resumes
+        # after them), unless the ranks stopped answering or the engine is gone.
+        if not engine.timed_out(error) and engine.worker_failure(generator.executor) is None:
+            try:
+                waited(generator.flush_shards)
+            except Exception as flush_error:
+                error.add_note(f"and the shards handed to rank 0's writer could not all be "
+                               f"written: {flush_error!r}")
+        raise
     waited(generator.flush_shards)
     return written
+
+
+def _on_rank0_shard(generator, plan: shards.ShardPlan, samples, loss_masks, lengths, path: Path,
+                    token_budget: int, metadata: dict[str, str], progress: Progress,
+                    split: TimeSplit, waited) -> float:
+    """One shard: its layout to rank 0, its samples placed and prefilled, handed to the
+    writer; this process's seconds on it."""
+    started = time.monotonic()
+    rows = formats.shard_rows(plan.sample_ids, {i: samples[i] for i in plan.sample_ids},
+                              {i: loss_masks[i] for i in plan.sample_ids})
+    offsets = rows[formats.SAMPLE_OFFSETS].tolist()
+    at = dict(zip(plan.sample_ids, offsets))
+    waited(generator.begin_shard, {
+        "path": str(path), "num_tokens": plan.num_tokens, "tensors": rows,
+        "metadata": metadata, "values_key": formats.HIDDEN_STATES,
+        "scales_key": formats.HIDDEN_SCALES})
+    for batch in shards.plan_batches(plan.sample_ids, lengths, token_budget):
+        start = time.monotonic()
+        generator.generate([samples[i] for i in batch], offsets=[at[i] for i in batch])
+        split.forward += time.monotonic() - start
+        progress.advance(sum(lengths[i] for i in batch), detail=split.line())
+    status = waited(generator.finish_shard)  # its write is noted at a later call
+    if status["non_finite"] is not None:
+        raise formats.non_finite_error(str(path), plan.sample_ids, offsets, *status["non_finite"])
+    return time.monotonic() - started
 
 
 def in_driver(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
