@@ -23,6 +23,7 @@ Without vLLM the worker module is loaded from the installed, patched speculators
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pickle
 import sys
@@ -37,6 +38,7 @@ from draftline import formats
 from draftline.extract import shards, writer
 
 
+@functools.cache  # the stub below must be made once: a second find_spec("vllm") would fail on it
 def worker_module():
     """speculators' patched custom_worker, with or without vLLM installed."""
     if importlib.util.find_spec("vllm") is not None:
@@ -106,6 +108,7 @@ def run_path(path: str, args, storage: str, device: torch.device, out_dir: Path,
     metadata = formats.shard_metadata("benchmark", list(range(1, slots)), hidden)
     ids = torch.randint(7, 500, (prompt,)).tolist()
     seconds: dict[str, float] = {}
+    files: list[Path] = []  # removed after the timing: freeing their pages is no part of the path
 
     def timed(name, function, *a):
         start = time.perf_counter()
@@ -117,7 +120,6 @@ def run_path(path: str, args, storage: str, device: torch.device, out_dir: Path,
     if path == "rank0":
         timed("worker: allocate buffers (once)", worker.ext._open_shard_writer,
               per_shard * prompt, writer.WRITER, 2)
-    written = 0
     start = time.perf_counter()
     for index in range(args.shards):
         names = [f"s{index}r{i}" for i in range(per_shard)]
@@ -130,7 +132,7 @@ def run_path(path: str, args, storage: str, device: torch.device, out_dir: Path,
                 "path": name, "num_tokens": per_shard * prompt, "tensors": rows_meta,
                 "metadata": metadata, "values_key": formats.HIDDEN_STATES,
                 "scales_key": formats.HIDDEN_SCALES})
-            written += note_writes(status["written"], seconds)
+            note_writes(status["written"], seconds, files)
             worker.ext._place_requests({r: (i * prompt, prompt) for i, r in enumerate(names)})
         taken = {}
         for first in range(0, per_shard, per_step):
@@ -150,14 +152,17 @@ def run_path(path: str, args, storage: str, device: torch.device, out_dir: Path,
             tensors = timed("pack (driver)", formats.pack_shard, sample_ids, results, masks,
                             storage)
             timed("write (driver)", formats.write_shard, Path(name), tensors, metadata)
-            written += Path(name).stat().st_size
-            Path(name).unlink()
+            files.append(Path(name))
         if path == "rank0":
-            written += note_writes(status["written"], seconds)
+            note_writes(status["written"], seconds, files)
     if path == "rank0":
         status = timed("driver waits: last writes", worker.ext._flush_shards)
-        written += note_writes(status["written"], seconds)
+        note_writes(status["written"], seconds, files)
     total = time.perf_counter() - start
+    written = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.unlink()
+        shards.timing_path(f).unlink(missing_ok=True)
     return {"seconds": seconds, "total": total, "bytes": written,
             "tokens": args.shards * per_shard * prompt}
 
@@ -178,17 +183,13 @@ def split_results(taken: dict, names: list[str], ids: list[int]) -> dict[int, di
     return results
 
 
-def note_writes(records: list[dict], seconds: dict[str, float]) -> int:
-    """Rank 0's finished writes: their seconds (on the writer thread) and bytes; the files go."""
-    size = 0
+def note_writes(records: list[dict], seconds: dict[str, float], files: list[Path]) -> None:
+    """Rank 0's finished writes: their seconds (on the writer thread) and files."""
     for record in records:
         for key, name in (("copy_wait_s", "writer thread: wait for copies (beside)"),
                           ("write_s", "writer thread: write (beside)")):
             seconds[name] = seconds.get(name, 0.0) + record[key]
-        size += Path(record["path"]).stat().st_size
-        Path(record["path"]).unlink()
-        shards.timing_path(Path(record["path"])).unlink(missing_ok=True)
-    return size
+        files.append(Path(record["path"]))
 
 
 def main(args) -> None:
