@@ -8,7 +8,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from draftline import formats, target
-from draftline.extract import shards
 
 NUM_BUFFERS = 2  # rank 0's shard buffers: one fills while the writer thread writes the other
 
