@@ -71,8 +71,9 @@ def extract(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
         extract_in_replicas(cfg, inputs, plans, pending, overrides, progress)
     else:
         split = extract_here(cfg, inputs, plans, progress)
-        log.info("extract: %s", split.line())
     progress.finish()
+    if split is not None:
+        log.info("extract: %s", split.line())
     return pending, progress.tokens_per_second(), split and split.record(str(cfg.extract.writer))
 
 
