@@ -53,9 +53,12 @@ def test_json_list_and_layout_sniffing_ignore_the_extension(tmp_path):
 
 BAD_RECORDS = {
     "malformed JSON": '{"messages": [',
-    "unknown role 'tool'": json.dumps({"messages": [{"role": "tool", "content": "x"}]}),
+    "unknown role 'bot'": json.dumps({"messages": [{"role": "bot", "content": "x"}]}),
     "no assistant turn": json.dumps({"messages": [{"role": "user", "content": "x"}]}),
     "empty text": json.dumps(
+        {"conversations": [{"from": "human", "value": " \n"}, {"from": "gpt", "value": "a"}]}
+    ),
+    "neither text nor tool calls": json.dumps(
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " \n"}]}
     ),
     "not an object": json.dumps(["user", "x"]),
@@ -122,14 +125,14 @@ def test_skips_within_budget_are_reported(tmp_path):
 
 
 def test_exceeding_the_budget_quotes_count_and_first_reasons(tmp_path):
-    bad = [BAD_RECORDS[k] for k in sorted(BAD_RECORDS)]  # 8 bad records
+    bad = [BAD_RECORDS[k] for k in sorted(BAD_RECORDS)]  # 9 bad records
     path = write_lines(tmp_path / "d.jsonl", [GOOD_LINE, *bad])
     with pytest.raises(DataError) as info:
-        load_conversations(path, max_skipped=7)
+        load_conversations(path, max_skipped=8)
     message = str(info.value)
-    assert "8 bad record(s), more than max_skipped=7" in message
+    assert "9 bad record(s), more than max_skipped=8" in message
     assert f"{path}:2: " in message and f"{path}:6: " in message
-    assert f"{path}:7: " not in message and "... and 3 more" in message
+    assert f"{path}:7: " not in message and "... and 4 more" in message
 
 
 def test_empty_file_is_an_error(tmp_path):
