@@ -238,18 +238,22 @@ def _check_replies(full: str, messages: Sequence[dict], spans: list[Span], sampl
     return dropped
 
 
-def _check_context(full: str, messages: Sequence[dict], tools: Sequence[dict] | None,
-                   sample: SampleLabel) -> None:
-    """Raise UnfaithfulRender for a tool result or declared tool the render leaves out."""
+def _check_context(tokenizer: Any, full: str, spans: list[Span], messages: Sequence[dict],
+                   sample: SampleLabel, template: Template) -> None:
+    """Raise UnfaithfulRender for a tool result the prompt text leaves out (the replies' spans
+    may quote it), or declared tools the template ignores (it renders the same without them)."""
+    cuts = [0, *(pos for span in spans for pos in span), len(full)]
+    prompt = "\x00".join(full[a:b] for a, b in zip(cuts[::2], cuts[1::2]))
     for k, message in enumerate(messages):
-        if message["role"] == "tool" and message["content"].strip() not in full:
+        if message["role"] == "tool" and message["content"].strip() not in prompt:
             raise UnfaithfulRender("tool_result_not_rendered",
                                    f"{_label(sample)}: the template leaves tool result {k} out")
-    for tool in tools or ():
-        if tool["function"]["name"] not in full:
+    if template and template.get("tools"):
+        bare = {key: value for key, value in template.items() if key != "tools"}
+        if _render(tokenizer, messages, False, sample, bare) == full:
             raise UnfaithfulRender("tools_not_rendered", (
-                f"{_label(sample)}: the template ignores the declared tool "
-                f"{tool['function']['name']!r} (the record's tools)"))
+                f"{_label(sample)}: the template ignores the record's declared tools "
+                f"({', '.join(t['function']['name'] for t in template['tools'])})"))
 
 
 def _tool_after(messages: Sequence[dict], spans: list[Span]) -> list[bool]:
@@ -276,6 +280,6 @@ def render_conversation(tokenizer: Any, messages: Sequence[dict], sample: Sample
     template = _render_template(tools, template)
     full, spans = assistant_char_spans(tokenizer, messages, sample, template)
     dropped = _check_replies(full, messages, spans, sample)
-    _check_context(full, messages, tools, sample)
+    _check_context(tokenizer, full, spans, messages, sample, template)
     num_reasoning = sum(bool((m.get("reasoning_content") or "").strip()) for m in messages)
     return Rendered(full, spans, _tool_after(messages, spans), num_reasoning, dropped)
