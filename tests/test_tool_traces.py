@@ -226,3 +226,12 @@ def test_mixed_file_skip_table_and_kept_fraction(families, tmp_path):
     assert manifest["reasoning"] == {"replies": 4, "dropped_by_template": 3}
     assert manifest["num_samples_with_tool_results"] == 1
     assert result.tool_results is not None and len(result.tool_results) == len(result.input_ids)
+
+
+def test_exchanges_keep_a_call_with_its_results():
+    from draftline.tokenize import chat
+
+    roles = ["system", "user", "assistant", "tool", "tool", "assistant", "user", "assistant", "tool"]
+    messages = [{"role": role, "content": role} for role in roles]
+    # the trailing result has no reply after it: the last exchange ends at its call
+    assert chat._exchanges(messages) == (1, [(1, 6), (6, 8)])
