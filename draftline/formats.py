@@ -26,6 +26,9 @@ from draftline.pipeline.artifacts import atomic_path
 INPUT_IDS = "input_ids"  # int64 [tokens], all samples back to back
 LOSS_MASK = "loss_mask"  # uint8 [tokens], 1 on tokens the draft learns (assistant replies)
 SAMPLE_OFFSETS = "sample_offsets"  # int64 [samples + 1]: sample i is [offsets[i], offsets[i+1])
+# uint8 [tokens], only in tokenize's file when some sample has tool results: 1 on the unmasked
+# tokens after a reply up to the next one when tool results are among them (regenerate's rule)
+TOOL_RESULTS = "tool_results"
 
 
 def write_samples(path: str | Path, input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
@@ -48,17 +51,31 @@ def read_samples(path: str | Path) -> tuple[list[list[int]], list[list[int]]]:
     return [ids[a:b] for a, b in spans], [masks[a:b] for a, b in spans]
 
 
+def read_tool_results(path: str | Path) -> list[list[int]] | None:
+    """Per sample, the :data:`TOOL_RESULTS` marks; None when the file has none."""
+    with safe_open(str(path), framework="pt") as fh:
+        if TOOL_RESULTS not in fh.keys():
+            return None
+        marks, offsets = fh.get_tensor(TOOL_RESULTS).tolist(), fh.get_tensor(SAMPLE_OFFSETS).tolist()
+    return [marks[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
 def write_flat_samples(path: str | Path, input_ids: np.ndarray, loss_mask: np.ndarray,
-                       offsets: np.ndarray) -> None:
-    """The layout of :func:`write_samples` from flat arrays (no per-token Python objects)."""
+                       offsets: np.ndarray, tool_results: np.ndarray | None = None) -> None:
+    """The layout of :func:`write_samples` from flat arrays (no per-token Python objects),
+    plus :data:`TOOL_RESULTS` when given."""
     if not (len(input_ids) == len(loss_mask) == int(offsets[-1])) or offsets[0] != 0:
         raise ValueError(f"flat samples disagree: {len(input_ids)} ids, {len(loss_mask)} mask "
                          f"entries, offsets {offsets[0]}..{offsets[-1]}")
+    if tool_results is not None and len(tool_results) != len(input_ids):
+        raise ValueError(f"flat samples disagree: {len(input_ids)} ids, {len(tool_results)} tool marks")
     tensors = {
         INPUT_IDS: torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)),
         LOSS_MASK: torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
         SAMPLE_OFFSETS: torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
     }
+    if tool_results is not None:
+        tensors[TOOL_RESULTS] = torch.from_numpy(np.ascontiguousarray(tool_results, dtype=np.uint8))
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
 

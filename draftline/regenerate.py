@@ -13,6 +13,15 @@ which stays in the reply and in its loss mask (the chat template's end-of-turn m
 by tokenize too), or at its cap.  A reply that hit its cap without an end of turn ends its
 sample: later turns would follow an unfinished reply.  Samples never grow past ``seq_length``.
 
+Tool traces: the data's tool results answer the data's calls, and nothing here runs tools.  So
+a reply whose following text holds tool results (tokenize marks those tokens, ``tool_results``)
+is regenerated, and the sample continues past the results only when the target's reply is the
+data's reply token for token (the same call, so the recorded result still answers it).
+Otherwise the sample ends after the target's reply, and the replies after it are counted as
+``tool_stops`` and ``dropped_turns``: every later reply would need a tool run on the target's
+own call.  A reply is thus only ever regenerated from a prompt whose tool results answer calls
+the target itself made.
+
 Greedy decoding through vLLM (``VllmReplies``), in chunks of samples written atomically under a
 folder named by the input and config fingerprint, so a crashed run resumes at its first
 missing chunk.
@@ -56,6 +65,7 @@ class Draft:
     mask: list[int]
     alive: bool = True
     capped_replies: int = 0
+    tools: list[int] = dataclasses.field(default_factory=list)  # tokenize's tool-result marks
 
 
 @dataclasses.dataclass
@@ -63,7 +73,8 @@ class ChunkStats:
     replies: int = 0  # replies generated
     stopped: int = 0  # replies that ended with a stop token
     capped: int = 0  # replies that hit their cap (their sample ends there)
-    dropped_turns: int = 0  # source replies not regenerated because an earlier one was capped
+    dropped_turns: int = 0  # source replies not regenerated because an earlier one was capped or called
+    tool_stops: int = 0  # samples ended after a reply whose tool results no longer answer it
     generated_tokens: int = 0
 
     def add(self, other: "ChunkStats") -> None:
@@ -72,16 +83,21 @@ class ChunkStats:
 
 
 def regenerate(samples: Sequence[list[int]], masks: Sequence[list[int]], generate: GenerateFn,
-               seq_length: int, max_new_tokens: int | None) -> tuple[list[list[int]], list[list[int]], ChunkStats]:
-    """New (ids, masks) with every reply the target's; see the module doc for the rules."""
+               seq_length: int, max_new_tokens: int | None,
+               tool_results: Sequence[list[int]] | None = None,
+               ) -> tuple[list[list[int]], list[list[int]], ChunkStats]:
+    """New (ids, masks) with every reply the target's; see the module doc for the rules.
+    ``tool_results``: tokenize's marks per sample (None: no sample has tool results)."""
     drafts = []
-    for ids, mask in zip(samples, masks, strict=True):
+    if tool_results is None:
+        tool_results = [[] for _ in samples]
+    for ids, mask, tools in zip(samples, masks, tool_results, strict=True):
         spans = reply_spans(mask)
         if not spans:
             raise ValueError("a sample without loss-mask tokens reached regeneration "
                              "(tokenize drops those)")
         first = spans[0][0]
-        drafts.append(Draft(list(ids), spans, list(ids[:first]), [0] * first))
+        drafts.append(Draft(list(ids), spans, list(ids[:first]), [0] * first, tools=list(tools)))
     stats = ChunkStats()
     for turn in range(max(len(d.spans) for d in drafts)):
         todo = [d for d in drafts if d.alive and turn < len(d.spans)]
@@ -110,8 +126,13 @@ def regenerate(samples: Sequence[list[int]], masks: Sequence[list[int]], generat
                 d.alive = False
                 continue
             stats.stopped += 1
-            end = d.spans[turn][1]
+            start, end = d.spans[turn]
             following = d.spans[turn + 1][0] if turn + 1 < len(d.spans) else len(d.source)
+            if any(d.tools[end:following]) and reply != d.source[start:end]:
+                stats.tool_stops += 1
+                stats.dropped_turns += len(d.spans) - turn - 1
+                d.alive = False
+                continue
             gap = d.source[end:following][: seq_length - len(d.ids)]
             d.ids += gap
             d.mask += [0] * len(gap)

@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline import engine, regenerate
-from draftline.formats import read_samples, write_samples
+from draftline.formats import read_samples, read_tool_results, write_samples
 from draftline.pipeline import artifacts, config
 from draftline.pipeline.progress import Progress
 from draftline.pipeline.stage import refuse_mistakes, run_stage
@@ -62,6 +62,7 @@ def run(cfg: DictConfig) -> dict:
         return {**keep(tokenize_dir, tokenize), "inputs": inputs}
 
     samples, masks = read_samples(tokenize_dir / tokenize["samples"])
+    tool_results = read_tool_results(tokenize_dir / tokenize["samples"])
     seq_length = int(cfg.regenerate.seq_length)
     if seq_length >= int(cfg.regenerate.max_model_len):
         raise ValueError(f"regenerate.seq_length={seq_length} must stay below regenerate.max_model_len="
@@ -91,7 +92,8 @@ def run(cfg: DictConfig) -> dict:
             for i in pending:
                 a, b = bounds[i]
                 ids, new_masks, chunk = regenerate.regenerate(
-                    samples[a:b], masks[a:b], engine, seq_length, cfg.regenerate.max_new_tokens)
+                    samples[a:b], masks[a:b], engine, seq_length, cfg.regenerate.max_new_tokens,
+                    None if tool_results is None else tool_results[a:b])
                 # The samples file marks the chunk done, so it is written after its stats.
                 artifacts.write_json(paths[i].with_suffix(".json"), chunk.__dict__)
                 write_samples(paths[i], ids, new_masks)

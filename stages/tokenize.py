@@ -25,6 +25,8 @@ from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, t
 from draftline.tokenize.sources import open_source
 
 log = logging.getLogger("draftline.tokenize")
+# apply_chat_template arguments tokenize passes itself (tools come from each record)
+RENDER_ARGUMENTS = {"tools", "tokenize", "add_generation_prompt", "continue_final_message"}
 
 
 def target_vocab_size(model_dir: str) -> int:
@@ -39,6 +41,12 @@ def run(cfg: DictConfig) -> dict:
     if data.build:  # the embedded set is read only from its own place, never a user's path
         embedded.check_data_path(data.path, cfg.assets_dir)
     budget = Budget(settings.max_skipped)
+    if not isinstance(settings.chat_template_kwargs, DictConfig):
+        raise ValueError(f"tokenize.chat_template_kwargs must be a mapping of template arguments, "
+                         f"got {settings.chat_template_kwargs!r}")
+    taken = RENDER_ARGUMENTS & set(settings.chat_template_kwargs)
+    if taken:  # tokenize sets these itself for every render
+        raise ValueError(f"tokenize.chat_template_kwargs may not set {sorted(taken)}")
     roles = check_roles(OmegaConf.to_container(data.roles))
     workers = default_workers() if settings.workers is None else int(settings.workers)
     source = open_source(data.path, split=str(data.split))
@@ -58,8 +66,10 @@ def run(cfg: DictConfig) -> dict:
         seq_length=int(settings.seq_length), roles=roles,
         field=None if data.field is None else str(data.field),
         max_samples=None if data.max_samples is None else int(data.max_samples),
-        shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget)
-    write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets)
+        shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget,
+        template=OmegaConf.to_container(settings.chat_template_kwargs))
+    write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets,
+                       result.tool_results)
     ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
     freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", [ids], [mask], target_vocab, draft_vocab)
     tally = result.tally

@@ -510,7 +510,10 @@ def test_a_prefix_span_reaching_back_into_the_previous_reply_is_searched_for(fas
     assert full == targets.BOS + targets.USER + "q" + END + targets.ASSISTANT + "OK" + END + targets.ASSISTANT \
         + "<think></think>OK" + END
     first = full.index("OK")
-    assert spans == [(first, first + len("OK" + END)), (len(full) - len("OK" + END), len(full))]
+    # The second reply's span starts after its generation prompt, so it keeps the think block
+    # the template puts there (issue 31: everything after the prompt is what the target writes).
+    second = len(full) - len("<think></think>OK" + END)
+    assert spans == [(first, first + len("OK" + END)), (second, len(full))]
 
 def test_generation_prompt_overlapping_the_reply_is_searched_from_the_history(fast):
     # The prompt opens "<think>" and the reply starts with its own "<think>": the prefix boundary

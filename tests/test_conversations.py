@@ -53,9 +53,12 @@ def test_json_list_and_layout_sniffing_ignore_the_extension(tmp_path):
 
 BAD_RECORDS = {
     "malformed JSON": '{"messages": [',
-    "unknown role 'tool'": json.dumps({"messages": [{"role": "tool", "content": "x"}]}),
+    "unknown role 'bot'": json.dumps({"messages": [{"role": "bot", "content": "x"}]}),
     "no assistant turn": json.dumps({"messages": [{"role": "user", "content": "x"}]}),
     "empty text": json.dumps(
+        {"conversations": [{"from": "human", "value": " \n"}, {"from": "gpt", "value": "a"}]}
+    ),
+    "neither text nor tool calls": json.dumps(
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " \n"}]}
     ),
     "not an object": json.dumps(["user", "x"]),
@@ -122,14 +125,14 @@ def test_skips_within_budget_are_reported(tmp_path):
 
 
 def test_exceeding_the_budget_quotes_count_and_first_reasons(tmp_path):
-    bad = [BAD_RECORDS[k] for k in sorted(BAD_RECORDS)]  # 8 bad records
+    bad = [BAD_RECORDS[k] for k in sorted(BAD_RECORDS)]  # 9 bad records
     path = write_lines(tmp_path / "d.jsonl", [GOOD_LINE, *bad])
     with pytest.raises(DataError) as info:
-        load_conversations(path, max_skipped=7)
+        load_conversations(path, max_skipped=8)
     message = str(info.value)
-    assert "8 bad record(s), more than max_skipped=7" in message
+    assert "9 bad record(s), more than max_skipped=8" in message
     assert f"{path}:2: " in message and f"{path}:6: " in message
-    assert f"{path}:7: " not in message and "... and 3 more" in message
+    assert f"{path}:7: " not in message and "... and 4 more" in message
 
 
 def test_empty_file_is_an_error(tmp_path):
@@ -148,3 +151,80 @@ def test_all_records_skipped_is_an_error(tmp_path):
 def test_negative_budget_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="max_skipped"):
         load_conversations(write_lines(tmp_path / "d.jsonl", [GOOD_LINE]), max_skipped=-1)
+
+
+# --------------------------------------------------------------------------- tool traces (issue 31)
+from draftline.tokenize.conversations import RecordSkip, normalize
+
+BOOK = {"name": "book_table", "parameters": {"type": "object", "properties": {}}}
+CALL = {"type": "function", "function": {"name": "book_table", "arguments": {"people": 2}}}
+
+
+def test_sharegpt_calls_and_observations_become_openai_shape():
+    record = {"tools": json.dumps([BOOK]), "conversations": [
+        {"from": "human", "value": "Book it."}, {"from": "gpt", "value": "On it."},
+        {"from": "function_call", "value": json.dumps({"name": "book_table", "arguments": {"people": 2}})},
+        {"from": "observation", "value": "ok"}, {"from": "gpt", "value": "Done."}]}
+    normalized = normalize(record)
+    assert normalized.messages == [
+        {"role": "user", "content": "Book it."},
+        {"role": "assistant", "content": "On it.", "tool_calls": [CALL]},  # joined to the reply before
+        {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]
+    assert normalized.tools == [{"type": "function", "function": BOOK}]
+
+
+def test_openai_calls_keep_ids_and_string_arguments_are_parsed_like_vllm():
+    record = {"tools": [{"type": "function", "function": BOOK}], "messages": [
+        {"role": "user", "content": "Book it."},
+        {"role": "assistant", "content": None, "reasoning": "Easy.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "book_table", "arguments": '{"people": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "book_table", "content": ""},
+        {"role": "assistant", "content": "Done.", "function_call": {"name": "book_table", "arguments": ""}},
+        {"role": "function", "name": "book_table", "content": "ok"},
+        {"role": "assistant", "content": "Twice."}]}
+    messages = normalize(record).messages
+    assert messages[1] == {"role": "assistant", "content": "", "reasoning_content": "Easy.",
+                           "tool_calls": [{"id": "c1", **CALL}]}
+    assert messages[2] == {"role": "tool", "content": "", "tool_call_id": "c1", "name": "book_table"}
+    assert messages[3]["tool_calls"] == [{"type": "function", "function": {"name": "book_table", "arguments": {}}}]
+    assert messages[4] == {"role": "tool", "content": "ok", "name": "book_table"}
+
+
+@pytest.mark.parametrize("content, reasoning, moved", [
+    ("<think>\nplan\n</think>\n\nanswer", None, ("answer", "plan")),
+    ("plan</think>answer", None, ("answer", "plan")),  # the prompt opened the block (Qwen3)
+    ("plain answer", "plan", ("plain answer", "plan")),
+])
+def test_inline_reasoning_moves_to_reasoning_content(content, reasoning, moved):
+    reply = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+    normalized = normalize({"messages": [{"role": "user", "content": "q"}, reply]})
+    assert (normalized.messages[1]["content"], normalized.messages[1]["reasoning_content"]) == moved
+    assert normalized.fixes == ({"inline_think": 1} if reasoning is None else {})
+
+
+@pytest.mark.parametrize("reply, tools, reason", [
+    ({"content": "a<think>b</think>"}, None, "inline_think"),
+    ({"content": "<think>b</think>a", "reasoning_content": "c"}, None, "inline_think"),
+    ({"content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}, None, "bad_tool_call"),
+    ({"content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}, None, "bad_tool_call"),
+    ({"content": "a"}, "[{", "bad_tools"),
+    ({"content": "a"}, [{"description": "no name"}], "bad_tools"),
+    ({"content": " "}, None, "empty_reply"),
+])
+def test_tool_traces_that_cannot_be_mapped_are_named_skips(reply, tools, reason):
+    record = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", **reply}]}
+    if tools is not None:
+        record["tools"] = tools
+    with pytest.raises(RecordSkip) as info:
+        normalize(record)
+    assert info.value.reason == reason
+
+
+def test_leading_tool_results_go_with_leading_replies():
+    record = {"messages": [{"role": "system", "content": "s"}, {"role": "tool", "content": "late"},
+                           {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                           {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"},
+                           {"role": "assistant", "content": "b"}]}
+    normalized = normalize(record)
+    assert normalized.dropped_leading == 1
+    assert [m["role"] for m in normalized.messages] == ["system", "user", "assistant", "tool", "tool", "assistant"]

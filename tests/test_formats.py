@@ -73,3 +73,18 @@ def test_flat_samples_that_disagree_are_refused_with_the_exact_message(tmp_path)
                                    np.array([1, 2, 3]))
     assert str(shifted.value) == "flat samples disagree: 3 ids, 3 mask entries, offsets 1..3"
     assert not path.exists()
+
+
+def test_tool_result_marks_round_trip_and_are_optional(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "s.safetensors"
+    offsets = np.array([0, 2, 5])
+    formats.write_flat_samples(path, np.array([1, 2, 3, 4, 5]), np.array([0, 1, 0, 1, 1]), offsets,
+                               np.array([0, 0, 1, 0, 0]))
+    assert formats.read_tool_results(path) == [[0, 0], [1, 0, 0]]
+    formats.write_flat_samples(path, np.array([1, 2, 3, 4, 5]), np.array([0, 1, 0, 1, 1]), offsets)
+    assert formats.read_tool_results(path) is None
+    with pytest.raises(ValueError, match="5 ids, 4 tool marks"):
+        formats.write_flat_samples(path, np.array([1, 2, 3, 4, 5]), np.array([0, 1, 0, 1, 1]), offsets,
+                                   np.array([0, 0, 1, 0]))

@@ -105,3 +105,35 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
         assert reply == reference[:cut]
         assert stopped == (stop in reference)
     assert replies[1][1] and replies[1][0][-1] == stop
+
+
+# --------------------------------------------------------------------------- tool traces (issue 31)
+# prompt 10 | reply 20 21 9 (a call) | tool result 12 13 | reply 22 9 | user 14 | reply 23 9
+TRACE_IDS = [10, 20, 21, 9, 12, 13, 22, 9, 14, 23, 9]
+TRACE_MASK = [0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1]
+TRACE_TOOLS = [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]  # tokenize's marks: the result after reply 1
+
+
+def test_a_different_call_ends_the_sample_before_the_recorded_tool_result():
+    engine = Scripted(([30, 9], True))
+    new_ids, new_masks, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
+                                                      [TRACE_TOOLS])
+    assert engine.prompts == [[10]]  # nothing is generated after a result that answers another call
+    assert new_ids == [[10, 30, 9]] and new_masks == [[0, 1, 1]]
+    assert (stats.replies, stats.tool_stops, stats.dropped_turns) == (1, 1, 2)
+
+
+def test_the_same_call_keeps_its_recorded_result_and_the_sample_goes_on():
+    engine = Scripted(([20, 21, 9], True), ([31, 9], True), ([32, 9], True))
+    new_ids, new_masks, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
+                                                      [TRACE_TOOLS])
+    assert engine.prompts[1] == [10, 20, 21, 9, 12, 13]
+    assert new_ids == [[10, 20, 21, 9, 12, 13, 31, 9, 14, 32, 9]]
+    assert new_masks == [[0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1]]
+    assert (stats.replies, stats.tool_stops, stats.dropped_turns) == (3, 0, 0)
+
+
+def test_without_tool_marks_every_reply_is_regenerated():
+    engine = Scripted(([30, 9], True), ([31, 9], True), ([32, 9], True))
+    _, _, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None)
+    assert (stats.replies, stats.tool_stops) == (3, 0)

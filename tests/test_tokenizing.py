@@ -38,12 +38,16 @@ def digest(result) -> str:
 def test_quirk_set_skip_table_and_fixes(model_dir):
     tally = run(model_dir, QUIRKS).tally.manifest()
     counts = {reason: entry["count"] for reason, entry in tally["skipped"].items()}
-    assert counts == {"bad_record": 1, "empty_text": 1, "malformed_json": 1, "no_assistant_tokens": 1,
+    assert counts == {"bad_record": 1, "empty_reply": 1, "malformed_json": 1, "no_assistant_tokens": 1,
                       "no_assistant_turn": 1, "no_turns": 1, "not_utf8": 1, "same_role_run": 1,
-                      "unknown_role": 1}
-    assert tally["skipped"]["unknown_role"]["examples"] == [
-        f"{QUIRKS}:8: turn 1 has unknown role 'tool' (map it in data.roles)"]
-    assert tally["unknown_roles"] == {"tool": 1}
+                      "template_error": 1}
+    # line 8 has a tool result: it reaches the template, which (the tiny target's) has no tool role
+    assert tally["skipped"]["template_error"]["examples"] == [
+        f"{QUIRKS}:8: conversation: chat template failed on messages[:3] (add_generation_prompt=False): "
+        "TemplateError: unsupported role: tool"]
+    assert tally["skipped"]["empty_reply"]["examples"] == [
+        f"{QUIRKS}:9: turn 1 (assistant) has neither text nor tool calls"]
+    assert tally["unknown_roles"] == {}
     # lines 2 and 3 start with the assistant: kept, 1 + 2 leading turns dropped
     assert tally["leading_assistant_turns_dropped"] == {"conversations": 2, "turns": 3}
     assert tally["num_records"] == 19 and tally["num_conversations"] == 10
@@ -95,11 +99,13 @@ def test_template_failure_is_a_counted_skip(model_dir, tmp_path):
     strict = tmp_path / "strict"
     tokenizer.save_pretrained(str(strict))
     tally = run(strict, QUIRKS).tally.manifest()
-    assert tally["skipped"]["template_error"] == {"count": 1, "examples": [
+    assert tally["skipped"]["template_error"] == {"count": 2, "examples": [
+        f"{QUIRKS}:8: conversation: chat template failed on messages[:3] (add_generation_prompt="
+        "False): TemplateError: unsupported role: tool",
         f"{QUIRKS}:18: conversation: chat template failed on messages[:5] (add_generation_prompt="
         "False): TemplateError: System message must be at the beginning."]}
     assert tally["num_skipped"] == 10 and tally["num_conversations"] == 9
-    with pytest.raises(DataError, match=rf"10 of \d+ records skipped.*\n(.*\n)*  template_error .*{QUIRKS}:18"):
+    with pytest.raises(DataError, match=rf"10 of \d+ records skipped.*\n(.*\n)*  template_error +2 .*{QUIRKS}:8"):
         run(strict, QUIRKS, budget=9)
 
 
@@ -108,7 +114,7 @@ def test_budget_as_count_and_fraction(model_dir):
         run(model_dir, QUIRKS, budget=8)
     with pytest.raises(DataError, match=r"9 of 19 records skipped.*fraction") as info:
         run(model_dir, QUIRKS, budget=0.4)
-    assert f"unknown_role" in str(info.value) and f"{QUIRKS}:8" in str(info.value)
+    assert "template_error" in str(info.value) and f"{QUIRKS}:8" in str(info.value)
     assert run(model_dir, QUIRKS, budget=0.5).tally.num_skipped == 9
 
 

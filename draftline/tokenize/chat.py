@@ -1,4 +1,4 @@
-"""Render a conversation with the tokenizer's chat template and mask assistant tokens.
+"""Tokenize a rendered conversation and mask what the target generated.
 
 Why not offsets or ``return_assistant_tokens_mask``: Kimi-K2.5 ships a slow,
 TikToken-based ``PreTrainedTokenizer`` (no offset mapping) and most chat
@@ -8,17 +8,9 @@ which every tokenizer class has.
 
 Masking works in two stages.
 
-1. **Characters.**  ``full`` is the render of the whole conversation.  For
-   assistant message ``k``, its span starts where the render of
-   ``messages[:k]`` *with* the generation prompt stops agreeing with the
-   render of ``messages[:k+1]`` (so the role header is excluded even when the
-   prompt adds e.g. ``<think>`` that history renders differently), and ends at
-   the end of the render of ``messages[:k+1]`` (so the end-of-turn marker is
-   included: the draft must learn to stop).  That needs ``messages[:k+1]`` to
-   render as a prefix of ``full``; templates that rewrite history depending on
-   what follows (e.g. dropping reasoning from earlier turns) break that, and
-   then the content itself is searched for in ``full`` after the previous
-   message and extended by the end-of-turn text the template put after it.
+1. **Characters** (:mod:`draftline.tokenize.spans`): the whole render and, per
+   assistant turn, the span the target generated (after its generation prompt,
+   through its end-of-turn marker, tool calls and kept reasoning included).
 
 2. **Tokens.**  ``prefix`` strategy: encode ``full`` once and each span
    boundary prefix ``full[:b]``; if every boundary encoding is a prefix of
@@ -40,9 +32,18 @@ from bisect import bisect_left
 from itertools import pairwise
 from typing import Any, Sequence
 
-from jinja2.exceptions import TemplateError
-
 from draftline.tokenize.conversations import DataError
+from draftline.tokenize.spans import (
+    ChatTemplateError,
+    SampleLabel,
+    Span,
+    Template,
+    _common_prefix_len,
+    Rendered,
+    _label,
+    assistant_char_spans,
+    render_conversation,
+)
 
 __all__ = [
     "ChatTemplateError",
@@ -58,12 +59,6 @@ __all__ = [
 
 # The offsets shortcut of the prefix strategy (fast tokenizers); off only to compare the two.
 USE_OFFSETS = True
-Span = tuple[int, int]  # [start, end) character offsets into the full render
-SampleLabel = int | str | None  # only used to name the sample in error messages
-
-
-class ChatTemplateError(DataError):
-    """The template/tokenizer pair cannot be rendered or masked for this sample."""
 
 
 class EmptyLossMaskError(DataError):
@@ -75,112 +70,17 @@ class EncodedConversation:
     """Token ids and loss mask of one conversation, plus how they were obtained.
 
     ``num_truncated`` counts tokens dropped by ``max_length`` so callers can
-    report truncation; ``strategy`` is ``"prefix"`` or ``"segments"``.
+    report truncation; ``strategy`` is ``"prefix"`` or ``"segments"``.  ``tool_results``
+    is 1 on the unmasked tokens after a reply up to the next one when tool results are among
+    them (what regenerate must not continue past with a new reply), and empty when the
+    conversation has none.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     num_truncated: int
     strategy: str
-
-
-def _label(sample: SampleLabel) -> str:
-    return "conversation" if sample is None else f"sample {sample}"
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def _render(
-    tokenizer: Any, messages: Sequence[dict], generation_prompt: bool, sample: SampleLabel
-) -> str:
-    """Render ``messages`` to text; template failures name the sample and prefix length."""
-    try:
-        text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise ChatTemplateError(
-            f"{_label(sample)}: chat template failed on messages[:{len(messages)}] "
-            f"(add_generation_prompt={generation_prompt}): {type(exc).__name__}: {exc}"
-        ) from exc
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"{_label(sample)}: apply_chat_template returned {type(text).__name__}")
-    return text
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):  # the usual case, decided in C rather than a Python loop
-        return len(a)
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _span_by_prefix(
-    tokenizer: Any, messages: Sequence[dict], k: int, full: str, sample: SampleLabel
-) -> Span | None:
-    """Span of assistant message ``k`` from prefix renders, or None if the template rewrites history."""
-    through = _render(tokenizer, messages[: k + 1], False, sample)
-    if not full.startswith(through):
-        return None
-    before = _render(tokenizer, messages[:k], True, sample)
-    start = _common_prefix_len(before, through)
-    if messages[k]["content"].strip() not in through[start:]:
-        return None  # the generation prompt overlaps the content: boundary is unreliable
-    return start, len(through)
-
-
-def _span_by_search(
-    tokenizer: Any, messages: Sequence[dict], k: int, full: str, cursor: int, sample: SampleLabel
-) -> Span:
-    """Locate assistant message ``k``'s content in ``full`` at or after ``cursor``.
-
-    The span is extended over the end-of-turn text that the template puts after
-    the content (taken from the render of ``messages[:k+1]``) as far as ``full``
-    agrees with it.
-    """
-    content = messages[k]["content"].strip()
-    begin = full.find(content, cursor)
-    if begin < 0:
-        raise ChatTemplateError(
-            f"{_label(sample)}: assistant message {k} does not occur in the rendered text after "
-            f"offset {cursor}; content starts {content[:60]!r}"
-        )
-    end = begin + len(content)
-    through = _render(tokenizer, messages[: k + 1], False, sample)
-    found = through.rfind(content)
-    suffix = through[found + len(content) :] if found >= 0 else ""
-    return begin, end + _common_prefix_len(suffix, full[end:])
-
-
-def assistant_char_spans(
-    tokenizer: Any, messages: Sequence[dict], sample: SampleLabel = None
-) -> tuple[str, list[Span]]:
-    """Render ``messages`` and return ``(full_text, spans)`` of assistant turns (see module doc)."""
-    if not messages:
-        raise ChatTemplateError(f"{_label(sample)}: no messages")
-    first = next((m for m in messages if m["role"] != "system"), None)
-    if first is not None and first["role"] == "assistant":
-        raise ChatTemplateError(
-            f"{_label(sample)}: the conversation starts with an assistant turn; chat templates "
-            "need a user turn before the first reply (the loader drops leading assistant turns)"
-        )
-    full = _render(tokenizer, messages, False, sample)
-    spans: list[Span] = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        previous_end = spans[-1][1] if spans else 0
-        span = _span_by_prefix(tokenizer, messages, k, full, sample)
-        if span is None or span[0] < previous_end:
-            history = _render(tokenizer, messages[:k], False, sample)
-            cursor = max(previous_end, _common_prefix_len(history, full))
-            span = _span_by_search(tokenizer, messages, k, full, cursor, sample)
-        spans.append(span)
-    return full, spans
+    tool_results: list[int] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -277,47 +177,69 @@ def _mask_by_segments(
     return ids, mask
 
 
-def _encode_whole(tokenizer: Any, messages: Sequence[dict], sample: SampleLabel):
-    """``(ids, mask, strategy)`` of the whole conversation, before any truncation."""
-    full, spans = assistant_char_spans(tokenizer, messages, sample)
+def _tool_marks(mask: list[int], tool_after: list[bool]) -> list[int]:
+    """Mark the tokens from the end of each mask run that tool results follow to the next run."""
+    if not any(tool_after):
+        return []
+    starts = [i for i, bit in enumerate(mask) if bit and (i == 0 or not mask[i - 1])]
+    ends = [i for i, bit in enumerate(mask) if bit and (i + 1 == len(mask) or not mask[i + 1])]
+    marks = [0] * len(mask)
+    for end, following, tool in zip(ends, starts[1:] + [len(mask)], tool_after, strict=True):
+        if tool:
+            marks[end + 1 : following] = [1] * (following - end - 1)
+    return marks
+
+
+def _encode_rendered(tokenizer: Any, rendered: Rendered, sample: SampleLabel) -> EncodedConversation:
+    """Ids, mask and tool marks of a rendered conversation, before any truncation."""
+    full, spans = rendered.text, rendered.spans
     result = _mask_by_offsets(tokenizer, full, spans) if USE_OFFSETS else None
     if result is None:
         result = _mask_by_prefix(tokenizer, full, spans)
-    if result is not None:
-        return *result, "prefix"
-    return *_mask_by_segments(tokenizer, full, spans, sample), "segments"
+    strategy = "prefix" if result is not None else "segments"
+    ids, mask = result if result is not None else _mask_by_segments(tokenizer, full, spans, sample)
+    return EncodedConversation(ids, mask, 0, strategy, _tool_marks(mask, rendered.tool_after))
 
 
-def _truncated(ids: list[int], mask: list[int], strategy: str, max_length: int,
-               sample: SampleLabel) -> EncodedConversation:
-    dropped = max(0, len(ids) - max_length)
-    ids, mask = ids[:max_length], mask[:max_length]
+def _encode_whole(tokenizer: Any, messages: Sequence[dict], sample: SampleLabel,
+                  tools: Sequence[dict] | None, template: Template) -> EncodedConversation:
+    rendered = render_conversation(tokenizer, messages, sample, tools, template)
+    return _encode_rendered(tokenizer, rendered, sample)
+
+
+def _truncated(whole: EncodedConversation, max_length: int, sample: SampleLabel) -> EncodedConversation:
+    ids, mask = whole.input_ids[:max_length], whole.loss_mask[:max_length]
+    dropped = len(whole.input_ids) - len(ids)
     if not any(mask):
         why = f" after truncating {dropped} of {len(ids) + dropped} tokens" if dropped else ""
         raise EmptyLossMaskError(f"{_label(sample)}: no assistant tokens{why} (max_length={max_length})")
-    return EncodedConversation(ids, mask, dropped, strategy)
+    return EncodedConversation(ids, mask, dropped, whole.strategy, whole.tool_results[:max_length])
 
 
 def encode_conversation(
-    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None
+    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None, *,
+    tools: Sequence[dict] | None = None, template: Template = None,
 ) -> EncodedConversation:
     """Render, tokenize and mask one conversation; truncate to ``max_length`` tokens.
 
-    ``loss_mask[i] == 1`` exactly for tokens of assistant turns (content plus the
-    template's end-of-turn marker).  ``sample`` only labels error messages.
-    Raises :class:`EmptyLossMaskError` if no assistant token is left, and
-    :class:`ChatTemplateError` if the template cannot be masked reliably.
+    ``loss_mask[i] == 1`` exactly for tokens the target generated: each assistant turn after
+    its generation prompt, through the template's end-of-turn marker.  ``tools`` are the
+    declared tools and ``template`` further ``apply_chat_template`` keywords (e.g.
+    ``{"thinking": True}``).  ``sample`` only labels error messages.  Raises
+    :class:`EmptyLossMaskError` if no assistant token is left, and :class:`ChatTemplateError`
+    if the template cannot be masked reliably or leaves out part of the record.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    return _truncated(*_encode_whole(tokenizer, messages, sample), max_length, sample)
+    return _truncated(_encode_whole(tokenizer, messages, sample, tools, template), max_length, sample)
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None
+    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None, *,
+    tools: Sequence[dict] | None = None, template: Template = None,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of :func:`encode_conversation`, for callers that need no stats."""
-    encoded = encode_conversation(tokenizer, messages, max_length, sample)
+    encoded = encode_conversation(tokenizer, messages, max_length, sample, tools=tools, template=template)
     return encoded.input_ids, encoded.loss_mask
 
 
@@ -341,35 +263,44 @@ class Windows:
     ``num_assistant_tokens`` counts the loss-mask tokens of the whole conversation rendered
     at once; ``num_kept_tokens`` those of all windows together.  ``dropped_exchanges`` names
     each exchange that gave no sample because its prompt alone fills ``max_length``.
+    ``num_reasoning`` counts replies with reasoning, ``num_reasoning_dropped`` those whose
+    reasoning the template leaves out of the whole render (earlier turns, for Qwen3 and Kimi).
     """
 
     samples: list[EncodedConversation]
     num_assistant_tokens: int
     num_kept_tokens: int
     dropped_exchanges: list[DroppedExchange] = field(default_factory=list)
+    num_reasoning: int = 0
+    num_reasoning_dropped: int = 0
 
 
 def _exchanges(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
     """``(head, [(start, end), ...])``: leading system turns, then each exchange's turns.
 
-    An exchange is the non-assistant turns up to and including the assistant reply after
-    them; trailing turns with no reply after them belong to no exchange.
+    An exchange is the non-assistant turns up to and including the assistant replies after
+    them, tool calls and their results included (a window never separates a call from its
+    result); trailing turns with no reply after them belong to no exchange.
     """
     head = 0
     while head < len(messages) and messages[head]["role"] == "system":
         head += 1
-    exchanges, start = [], head
+    exchanges, start, last_reply = [], head, None
     for k in range(head, len(messages)):
-        last_of_reply = messages[k]["role"] == "assistant" and (
-            k + 1 == len(messages) or messages[k + 1]["role"] != "assistant")
-        if last_of_reply:
+        if messages[k]["role"] != "assistant":
+            continue
+        last_reply = k
+        if k + 1 == len(messages) or messages[k + 1]["role"] not in ("assistant", "tool"):
             exchanges.append((start, k + 1))
             start = k + 1
+    if last_reply is not None and last_reply >= start:  # tool results end the conversation
+        exchanges.append((start, last_reply + 1))
     return head, exchanges
 
 
 def encode_windows(
-    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None
+    tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None, *,
+    tools: Sequence[dict] | None = None, template: Template = None,
 ) -> Windows:
     """Encode a conversation as one sample, or, when it is longer than ``max_length``, as
     several samples split at exchange boundaries (a user turn and the reply to it).
@@ -381,13 +312,17 @@ def encode_windows(
     context again.  An exchange that alone is too long is cut at ``max_length`` tokens and kept
     if some of its reply survives (``num_truncated`` says so); otherwise it is dropped and
     listed in ``dropped_exchanges``.  :class:`EmptyLossMaskError` if nothing at all survives.
+    ``tools`` and ``template`` as for :func:`encode_conversation`; every window declares the tools.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    ids, mask, strategy = _encode_whole(tokenizer, messages, sample)
-    total = sum(mask)
-    if len(ids) <= max_length:
-        return Windows([EncodedConversation(ids, mask, 0, strategy)], total, total)
+    rendered = render_conversation(tokenizer, messages, sample, tools, template)
+    whole = _encode_rendered(tokenizer, rendered, sample)
+    total = sum(whole.loss_mask)
+    reasoning = {"num_reasoning": rendered.num_reasoning,
+                 "num_reasoning_dropped": rendered.num_reasoning_dropped}
+    if len(whole.input_ids) <= max_length:
+        return Windows([whole], total, total, **reasoning)
     head, exchanges = _exchanges(messages)
     system = list(messages[:head])
 
@@ -402,24 +337,24 @@ def encode_windows(
         lo, hi, best = i + 1, len(exchanges), None
         while lo <= hi:
             mid = (lo + hi) // 2
-            encoded = _encode_whole(tokenizer, window(i, mid), sample)
-            if len(encoded[0]) <= max_length:
+            encoded = _encode_whole(tokenizer, window(i, mid), sample, tools, template)
+            if len(encoded.input_ids) <= max_length:
                 best, lo = (mid, encoded), mid + 1
             else:
                 hi = mid - 1
         if best is None:  # one exchange alone is too long: keep its head if a reply survives
-            w_ids, w_mask, w_strategy = _encode_whole(tokenizer, window(i, i + 1), sample)
-            if any(w_mask[:max_length]):
-                samples.append(_truncated(w_ids, w_mask, w_strategy, max_length, sample))
+            alone = _encode_whole(tokenizer, window(i, i + 1), sample, tools, template)
+            if any(alone.loss_mask[:max_length]):
+                samples.append(_truncated(alone, max_length, sample))
             else:  # the caller counts it; the conversation may still yield other samples
-                dropped.append(DroppedExchange(*exchanges[i], len(w_ids)))
+                dropped.append(DroppedExchange(*exchanges[i], len(alone.input_ids)))
             i += 1
             continue
-        j, (w_ids, w_mask, w_strategy) = best
-        samples.append(EncodedConversation(w_ids, w_mask, 0, w_strategy))
+        j, encoded = best
+        samples.append(encoded)
         i = j
     if not samples:
         raise EmptyLossMaskError(
             f"{_label(sample)}: no assistant tokens within max_length={max_length}: every exchange's "
-            f"prompt alone is longer ({len(ids)} tokens in all)")
-    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples), dropped)
+            f"prompt alone is longer ({len(whole.input_ids)} tokens in all)")
+    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples), dropped, **reasoning)

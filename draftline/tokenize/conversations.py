@@ -1,7 +1,7 @@
 """Load chat conversations and normalise them (the embedded set: draftline.tiny.embedded).
 
-Two record styles are accepted and normalised to ``[{"role", "content"}, ...]``
-with roles ``system`` / ``user`` / ``assistant``:
+Two record styles are accepted and normalised to the messages chat templates take
+(``[{"role", "content", ...}]``, roles ``system`` / ``user`` / ``assistant`` / ``tool``):
 
 * ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
 * OpenAI:   ``{"messages": [{"role": "user"|"assistant"|..., "content": str}]}``
@@ -9,7 +9,15 @@ with roles ``system`` / ``user`` / ``assistant``:
 The turn keys follow the first turn (``from``/``value`` or ``role``/``content``),
 so ``conversations`` lists in OpenAI spelling load too; another column can be
 named with ``field``.  Role names are mapped through ``roles`` (``data.roles``;
-:data:`DEFAULT_ROLES` covers the ShareGPT and OpenAI spellings).
+:data:`DEFAULT_ROLES` covers the ShareGPT and OpenAI spellings), then through
+:data:`~draftline.tokenize.traces.TRACE_ROLES` (tool results and ShareGPT calls).
+
+Tool traces and reasoning keep their structure (:mod:`draftline.tokenize.traces` says how
+each spelling maps): an assistant turn keeps ``tool_calls`` (OpenAI ``tool_calls``, the legacy
+``function_call`` field, or a ShareGPT ``function_call`` turn, which joins the assistant turn
+right before it when that one has no calls) and ``reasoning_content`` (or ``reasoning``, or a
+leading inline ``<think>`` block); a tool turn keeps ``tool_call_id`` and ``name``; the
+record's ``tools`` column (a list or its JSON text) is returned beside the messages.
 
 Where records come from (JSON, JSONL, parquet, ``datasets`` directories, hub
 names from the local cache) is :mod:`draftline.tokenize.sources`' business; the
@@ -18,13 +26,16 @@ locations in messages are its ``file:line`` / ``file[row]`` strings.
 What real data gets wrong, and what happens (every skip is a :class:`RecordSkip`
 with a short ``reason`` that callers count):
 
-* leading assistant turns (ShareGPT's "split" files cut long chats into chunks
+* leading assistant or tool turns (ShareGPT's "split" files cut long chats into chunks
   that start with the assistant): **dropped**, the rest of the conversation kept;
-* a role not in ``roles``: ``unknown_role`` (the name is kept for counting);
-* empty or blank text: ``empty_text``; no turns at all: ``no_turns``;
-* two turns of the same role in a row: ``same_role_run`` (merging them would be
-  a guess about what the speaker meant, and many templates refuse them);
+* a role not in ``roles`` nor a trace role: ``unknown_role`` (the name is kept for counting);
+* empty or blank text of a system or user turn: ``empty_text``; an assistant turn with
+  neither text nor tool calls: ``empty_reply``; no turns at all: ``no_turns``;
+* two turns of the same role in a row (tool results excepted): ``same_role_run`` (merging
+  them would be a guess about what the speaker meant, and many templates refuse them);
 * no assistant turn (after dropping the leading ones): ``no_assistant_turn``;
+* a tool call or ``tools`` column that is not what the shapes above allow: ``bad_tool_call``
+  / ``bad_tools``; think tags other than one leading block: ``inline_think``;
 * wrong types or missing keys: ``bad_record``; unreadable lines:
   ``malformed_json`` / ``not_utf8``.
 
@@ -38,9 +49,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections import Counter
 from typing import Any, Iterator, Mapping
 
 from draftline.pipeline.config import UserError
+from draftline.tokenize import traces
 
 __all__ = [
     "Conversation",
@@ -50,13 +63,13 @@ __all__ = [
     "normalize_record",
 ]
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 # Source role name -> normalised role.  ShareGPT uses human/gpt (and, in the
 # widely used V3 dump, chatgpt/bing/bard for replies of other assistants);
-# OpenAI uses user/assistant; Gemini-style data uses model.  Anything else
-# (tool, function, ...) is skipped rather than guessed: a wrong role silently
-# corrupts loss masks.  conf/data/*.yaml repeat this table as data.roles.
+# OpenAI uses user/assistant; Gemini-style data uses model.  Tool-trace roles are
+# traces.TRACE_ROLES; anything else is skipped rather than guessed: a wrong role
+# silently corrupts loss masks.  conf/data/*.yaml repeat this table as data.roles.
 DEFAULT_ROLES = {
     "system": "system",
     "human": "user",
@@ -68,7 +81,7 @@ DEFAULT_ROLES = {
     "bard": "assistant",
     "model": "assistant",
 }
-_TARGET_ROLES = ("system", "user", "assistant")
+_TARGET_ROLES = ("system", "user", "assistant", "tool", "function_call")
 # How many skip reasons a budget-exceeded error quotes; the rest are counted.
 _REASONS_SHOWN = 5
 
@@ -107,17 +120,20 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Normalized:
-    """A usable conversation and the number of leading assistant turns dropped from it."""
+    """A usable conversation, its declared tools, the number of leading assistant (and tool)
+    turns dropped from it, and the normalisations made (``inline_think``: count of replies)."""
 
     messages: Conversation
     dropped_leading: int
+    tools: list[dict] | None = None
+    fixes: Counter | None = None
 
 
 # --------------------------------------------------------------------------- normalising
 
 
 def check_roles(roles: Mapping[str, str]) -> dict[str, str]:
-    """``data.roles`` as a plain dict; every alias must map to system, user or assistant."""
+    """``data.roles`` as a plain dict; every alias must map to a role :func:`normalize` knows."""
     bad = {k: v for k, v in roles.items() if v not in _TARGET_ROLES}
     if bad:
         raise ValueError(f"data.roles maps to roles other than {_TARGET_ROLES}: {bad}")
@@ -134,8 +150,13 @@ def _turn_keys(turns: list, style: str) -> tuple[str, str]:
     return ("from", "value") if style == "conversations" else ("role", "content")
 
 
-def _normalize_turn(turn: Any, index: int, keys: tuple[str, str], roles: Mapping[str, str]) -> dict:
-    """Map one source turn to ``{"role", "content"}``; raise RecordSkip naming the turn."""
+def _normalize_turn(turn: Any, index: int, keys: tuple[str, str], roles: Mapping[str, str],
+                    fixes: Counter) -> dict:
+    """Map one source turn to a template message; raise RecordSkip naming the turn.
+
+    A ShareGPT ``function_call`` turn comes back as ``{"role": "function_call", "tool_calls"}``
+    for :func:`_join_calls` to attach.
+    """
     role_key, text_key = keys
     if not isinstance(turn, dict):
         raise RecordSkip("bad_record", f"turn {index} is a {type(turn).__name__}, not an object")
@@ -143,17 +164,70 @@ def _normalize_turn(turn: Any, index: int, keys: tuple[str, str], roles: Mapping
         present = sorted(k for k, v in turn.items() if v is not None)
         raise RecordSkip("bad_record", f"turn {index} lacks {role_key!r} or {text_key!r} (keys: {present})")
     source_role = turn[role_key]
-    role = roles.get(source_role) if isinstance(source_role, str) else None
+    role = None
+    if isinstance(source_role, str):
+        role = roles.get(source_role, traces.TRACE_ROLES.get(source_role))
     if role is None:
         raise RecordSkip("unknown_role", f"turn {index} has unknown role {source_role!r} "
                          "(map it in data.roles)", role=str(source_role))
     text = turn[text_key]
+    calls_given = role == "assistant" and (turn.get("tool_calls") or turn.get("function_call"))
+    if text is None and (calls_given or role == "function_call"):
+        text = ""  # OpenAI: a reply that only calls tools has null content
     if not isinstance(text, str):
         raise RecordSkip("bad_record", f"turn {index} ({role}) {text_key} is a "
                          f"{type(text).__name__}, not a string")
+    if role == "function_call":
+        return {"role": role, "tool_calls": _calls(text, index)}
+    if role == "assistant":
+        return _reply(turn, index, text, fixes)
+    if role == "tool":
+        return {"role": role, "content": text,
+                **{key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)}}
     if not text.strip():
         raise RecordSkip("empty_text", f"turn {index} ({role}) has empty text")
     return {"role": role, "content": text}
+
+
+def _calls(raw: Any, index: int) -> list[dict]:
+    try:
+        return traces.tool_calls(raw, f"turn {index} tool call")
+    except ValueError as exc:
+        raise RecordSkip("bad_tool_call", str(exc)) from exc
+
+
+def _reply(turn: dict, index: int, text: str, fixes: Counter) -> dict:
+    """An assistant message with its calls and reasoning; ``fixes`` counts inline think moved."""
+    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+    reasoning = reasoning if isinstance(reasoning, str) and reasoning.strip() else None
+    try:
+        content, reasoning, moved = traces.split_inline_think(text, reasoning)
+    except ValueError as exc:
+        raise RecordSkip("inline_think", f"turn {index} (assistant): {exc}") from exc
+    fixes["inline_think"] += moved
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    raw_calls = turn.get("tool_calls") or turn.get("function_call")
+    if raw_calls:
+        message["tool_calls"] = _calls(raw_calls, index)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if not content.strip() and not raw_calls:
+        raise RecordSkip("empty_reply", f"turn {index} (assistant) has neither text nor tool calls")
+    return message
+
+
+def _join_calls(messages: list[dict]) -> list[dict]:
+    """ShareGPT ``function_call`` turns as assistant turns: joined to the reply right before
+    them when it has no calls (OpenAI keeps text and calls in one message), else on their own."""
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] != "function_call":
+            out.append(message)
+        elif out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
+            out[-1] = {**out[-1], "tool_calls": message["tool_calls"]}
+        else:
+            out.append({"role": "assistant", "content": "", "tool_calls": message["tool_calls"]})
+    return out
 
 
 def _turns(record: Any, field: str | None) -> tuple[list, str]:
@@ -185,12 +259,17 @@ def normalize(record: Any, roles: Mapping[str, str] | None = None, field: str | 
     roles = DEFAULT_ROLES if roles is None else roles
     turns, style = _turns(record, field)
     keys = _turn_keys(turns, style)
-    messages = [_normalize_turn(t, i, keys, roles) for i, t in enumerate(turns)]
+    fixes: Counter = Counter()
+    messages = _join_calls([_normalize_turn(t, i, keys, roles, fixes) for i, t in enumerate(turns)])
+    try:
+        tools = traces.declared_tools(record.get("tools"))
+    except ValueError as exc:
+        raise RecordSkip("bad_tools", str(exc)) from exc
     head = 0
     while head < len(messages) and messages[head]["role"] == "system":
         head += 1
-    first_user = head
-    while first_user < len(messages) and messages[first_user]["role"] == "assistant":
+    first_user = head  # a tool result before any user turn answers a call that was cut away
+    while first_user < len(messages) and messages[first_user]["role"] in ("assistant", "tool"):
         first_user += 1
     messages = messages[:head] + messages[first_user:]
     if not any(m["role"] == "assistant" for m in messages):
@@ -198,10 +277,10 @@ def normalize(record: Any, roles: Mapping[str, str] | None = None, field: str | 
         raise RecordSkip("no_assistant_turn",
                          f"conversation has no assistant turn ({len(turns)} turns{dropped})")
     for k in range(1, len(messages)):
-        if messages[k]["role"] == messages[k - 1]["role"]:
+        if messages[k]["role"] == messages[k - 1]["role"] != "tool":
             raise RecordSkip("same_role_run", f"turns {k - 1} and {k} (after dropping leading "
                              f"assistant turns) are both {messages[k]['role']!r}")
-    return Normalized(messages, first_user - head)
+    return Normalized(messages, first_user - head, tools, +fixes)
 
 
 def normalize_record(record: Any, roles: Mapping[str, str] | None = None,

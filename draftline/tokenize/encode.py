@@ -11,6 +11,9 @@ read (a float in [0, 1]); every reason is counted, with the first few locations,
 over budget fails with the table.  An exchange lost from a conversation that still gives
 samples (its prompt alone fills ``seq_length``) is not a record skip and does not count
 against the budget; the manifest's ``dropped_exchanges`` counts those, with locations.
+Normalisations (inline reasoning moved to ``reasoning_content``) and reasoning the template
+drops from earlier turns are counted too (``normalized``, ``reasoning``): nothing changes
+without a number in the manifest.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from draftline import target
 from draftline.pipeline.progress import Progress
 from draftline.pipeline.config import UserError
 from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
+from draftline.tokenize.spans import Template
 from draftline.tokenize.conversations import DataError, RecordSkip, normalize
 from draftline.tokenize.sources import Source, select_records
 
@@ -110,6 +114,10 @@ class Tally:
     dropped_exchange_examples: list[str] = field(default_factory=list)
     assistant_tokens: int = 0
     kept_tokens: int = 0
+    normalized: Counter = field(default_factory=Counter)  # records' fixes by kind (replies)
+    reasoning_replies: int = 0  # replies of kept conversations with reasoning
+    reasoning_dropped: int = 0  # ... whose reasoning the template leaves out (earlier turns)
+    tool_result_samples: int = 0  # samples with tool results after a reply
 
     def skip(self, where: str, reason: str, detail: str, role: str | None = None) -> None:
         self.skips[reason] += 1
@@ -157,6 +165,10 @@ class Tally:
             "num_assistant_tokens": self.assistant_tokens,
             "num_kept_assistant_tokens": self.kept_tokens,
             "assistant_tokens_kept_fraction": round(kept, 6),
+            "normalized": dict(sorted(self.normalized.items())),
+            "reasoning": {"replies": self.reasoning_replies,
+                          "dropped_by_template": self.reasoning_dropped},
+            "num_samples_with_tool_results": self.tool_result_samples,
         }
 
 
@@ -165,9 +177,10 @@ class Tally:
 _WORKER: dict[str, Any] = {}  # the tokenizer and seq_length of this process
 
 
-def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int) -> None:
+def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int, template: Template) -> None:
     _WORKER["tokenizer"] = load_tokenizer(model_dir, trust_remote_code)
     _WORKER["seq_length"] = seq_length
+    _WORKER["template"] = template
 
 
 def _dropped_detail(exchange: DroppedExchange, leading: int, seq_length: int) -> str:
@@ -178,30 +191,38 @@ def _dropped_detail(exchange: DroppedExchange, leading: int, seq_length: int) ->
             f"({exchange.num_tokens} tokens rendered alone), no reply token left")
 
 
-def _encode_batch(batch: list[tuple[int, str, list[dict], int]]) -> list[tuple]:
+def _sample_arrays(sample) -> tuple:
+    """``(ids int32, mask uint8, truncated, tool marks uint8)``: compact to send back."""
+    marks = sample.tool_results or [0] * len(sample.input_ids)
+    return (np.asarray(sample.input_ids, dtype=np.int32), np.asarray(sample.loss_mask, dtype=np.uint8),
+            sample.num_truncated > 0, np.asarray(marks, dtype=np.uint8))
+
+
+def _encode_batch(batch: list[tuple[int, str, list[dict], int, list | None]]) -> list[tuple]:
     """``(rank, where, outcome)`` per conversation; outcome is a skip or the windows.
 
-    Input: ``(rank, where, messages, leading assistant turns dropped)``.  Skips: ``("skip",
-    reason, detail)``.  Samples: ``("ok", [(ids, mask, truncated)], total, kept, dropped)``
-    with ids int32 and mask uint8 arrays (compact to send back) and one detail string per
-    dropped exchange.
+    Input: ``(rank, where, messages, leading assistant turns dropped, declared tools)``.  Skips:
+    ``("skip", reason, detail)``.  Samples: ``("ok", [sample arrays], total, kept, dropped,
+    (replies with reasoning, dropped by the template))`` with one detail string per dropped
+    exchange.
     """
     tokenizer, seq_length = _WORKER["tokenizer"], _WORKER["seq_length"]
     out = []
-    for rank, where, messages, leading in batch:
-        try:
-            windows = encode_windows(tokenizer, messages, seq_length)  # the tally adds where
+    for rank, where, messages, leading, tools in batch:
+        try:  # the tally adds where
+            windows = encode_windows(tokenizer, messages, seq_length, tools=tools,
+                                     template=_WORKER["template"])
         except EmptyLossMaskError as exc:
             out.append((rank, where, ("skip", "no_assistant_tokens", str(exc))))
             continue
         except ChatTemplateError as exc:
-            out.append((rank, where, ("skip", "template_error", str(exc))))
+            out.append((rank, where, ("skip", exc.reason, str(exc))))
             continue
-        samples = [(np.asarray(s.input_ids, dtype=np.int32), np.asarray(s.loss_mask, dtype=np.uint8),
-                    s.num_truncated > 0) for s in windows.samples]
+        samples = [_sample_arrays(s) for s in windows.samples]
         dropped = [_dropped_detail(e, leading, seq_length) for e in windows.dropped_exchanges]
+        reasoning = (windows.num_reasoning, windows.num_reasoning_dropped)
         out.append((rank, where, ("ok", samples, windows.num_assistant_tokens, windows.num_kept_tokens,
-                                  dropped)))
+                                  dropped, reasoning)))
     return out
 
 
@@ -237,6 +258,7 @@ class TokenizedSet:
     loss_mask: np.ndarray  # uint8 [total_tokens]
     offsets: np.ndarray  # int64 [num_samples + 1]
     tally: Tally
+    tool_results: np.ndarray | None = None  # uint8 [total_tokens]; None when no sample has any
 
 
 def _read_error_reason(error: str) -> str:
@@ -246,7 +268,7 @@ def _read_error_reason(error: str) -> str:
 def tokenize_source(
     source: Source, *, model_dir: str, trust_remote_code: bool, seq_length: int,
     roles: Mapping[str, str], field: str | None, max_samples: int | None, shuffle: bool,
-    seed: int, workers: int, budget: Budget,
+    seed: int, workers: int, budget: Budget, template: Template = None,
 ) -> TokenizedSet:
     """Tokenize every selected record of ``source`` (see the module doc)."""
     if workers < 1:
@@ -275,7 +297,8 @@ def tokenize_source(
             if normalized.dropped_leading:
                 tally.leading_dropped_conversations += 1
                 tally.leading_dropped_turns += normalized.dropped_leading
-            batch.append((rank, where, normalized.messages, normalized.dropped_leading))
+            tally.normalized.update(normalized.fixes)
+            batch.append((rank, where, normalized.messages, normalized.dropped_leading, normalized.tools))
             if len(batch) == BATCH:
                 yield batch
                 batch = []
@@ -289,21 +312,24 @@ def tokenize_source(
 
     progress = Progress("tokenize", selected, unit="records", logger=log)
     for done in _ordered_map(_encode_batch, batches(), workers, _init_worker,
-                             (model_dir, trust_remote_code, seq_length)):
+                             (model_dir, trust_remote_code, seq_length, template)):
         for rank, where, outcome in done:
             if outcome[0] == "skip":
                 tally.skip(where, outcome[1], outcome[2])
                 if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
                     raise over_budget()
                 continue
-            _, samples, total, kept, dropped = outcome
+            _, samples, total, kept, dropped, (reasoning, reasoning_dropped) = outcome
             results[rank] = samples
             tally.drop_exchanges(where, dropped)
             tally.num_conversations += 1
             tally.num_split += len(samples) > 1
-            tally.num_truncated += sum(truncated for _, _, truncated in samples)
+            tally.num_truncated += sum(truncated for _, _, truncated, _ in samples)
+            tally.tool_result_samples += sum(bool(marks.any()) for _, _, _, marks in samples)
             tally.assistant_tokens += total
             tally.kept_tokens += kept
+            tally.reasoning_replies += reasoning
+            tally.reasoning_dropped += reasoning_dropped
         progress.advance_to(tally.num_records, detail=f"{tally.num_skipped} skipped")
     if not budget.allows(tally.num_skipped, tally.num_records):
         raise over_budget()
@@ -315,9 +341,10 @@ def tokenize_source(
 
 def _flatten(results: dict[int, list], tally: Tally) -> TokenizedSet:
     samples = [sample for rank in sorted(results) for sample in results[rank]]
-    lengths = np.array([len(ids) for ids, _, _ in samples], dtype=np.int64)
+    lengths = np.array([len(ids) for ids, _, _, _ in samples], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
-    ids = np.concatenate([ids for ids, _, _ in samples]).astype(np.int64)
-    mask = np.concatenate([mask for _, mask, _ in samples])
-    return TokenizedSet(ids, mask, offsets, tally)
+    ids = np.concatenate([ids for ids, _, _, _ in samples]).astype(np.int64)
+    mask = np.concatenate([mask for _, mask, _, _ in samples])
+    marks = np.concatenate([marks for _, _, _, marks in samples]) if tally.tool_result_samples else None
+    return TokenizedSet(ids, mask, offsets, tally, marks)
 

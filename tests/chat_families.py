@@ -1,0 +1,128 @@
+"""Project-made tokenizers whose chat templates follow real families' tool and thinking conventions.
+
+Written here from the families' documented output formats (no template text is copied):
+
+* ``kimi``: role headers ``<|im_user|>user<|im_middle|>``; declared tools as a TypeScript-like
+  ``namespace functions`` block in a ``tool_declare`` system turn; calls in a
+  ``<|tool_calls_section_begin|>`` section with ids ``functions.NAME:INDEX``; results as
+  ``## Return of ID``; every reply opens a think block, and reasoning is kept only after the
+  last reply without tool calls (earlier replies show ``<think></think>``) unless the template
+  argument ``preserve_thinking`` is true.
+* ``qwen3``: ChatML; tools as JSON lines in ``<tools>`` inside the system turn; calls as JSON in
+  ``<tool_call>`` inside the reply text; results grouped in a user turn as
+  ``<tool_response>``; reasoning as ``<think>\\n...\\n</think>\\n\\n``, kept after the last real
+  user query (and always shown, empty, on the final reply).
+* ``llama31``: ``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``; tools as JSON in the
+  first user turn; one call per reply, rendered as ``{"name", "parameters"}`` JSON *instead of*
+  the reply text; results under the ``ipython`` role.
+
+The section markers are special tokens, as in the real vocabularies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+KIMI_SPECIALS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
+                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"]
+KIMI_TEMPLATE = (
+    "{% macro ts_type(p) %}{% if p.type == 'integer' or p.type == 'number' %}number"
+    "{% elif p.type == 'boolean' %}boolean{% elif p.enum is defined %}"
+    "{{ p.enum | map('tojson') | join(' | ') }}{% else %}string{% endif %}{% endmacro %}"
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
+    "{% for t in tools %}{% set f = t.function %}"
+    "// {{ f.description }}\ntype {{ f.name }} = (_: {\n"
+    "{% for name, p in f.parameters.properties.items() %}"
+    "{% if p.description is defined %}// {{ p.description }}\n{% endif %}"
+    "{{ name }}{{ '' if name in f.parameters.get('required', []) else '?' }}: {{ ts_type(p) }},\n"
+    "{% endfor %}}) => any;\n{% endfor %}}<|im_end|>{% endif %}"
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and not m.get('tool_calls') %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>"
+    "{% if loop.index0 > ns.last or preserve_thinking %}<think>{{ m.get('reasoning_content') or '' }}</think>"
+    "{% else %}<think></think>{% endif %}{{ m.content }}"
+    "{% if m.get('tool_calls') %}<|tool_calls_section_begin|>"
+    "{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}<|tool_call_argument_begin|>"
+    "{{ c.function.arguments | tojson }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"
+    "{% endif %}"
+    "{% elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n"
+    "{{ m.content }}"
+    "{% else %}<|im_system|>{{ m.role }}<|im_middle|>{{ m.content }}{% endif %}<|im_end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                  "</tool_response>", "<think>", "</think>"]
+QWEN3_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "Return each call as JSON inside <tool_call></tool_call> tags.<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% set r = (m.get('reasoning_content') or '').strip('\n') %}"
+    "{% if loop.index0 > ns.last_query and (loop.last or r) %}<think>\n{{ r }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
+    "{% for c in m.get('tool_calls', []) %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+LLAMA31_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                    "<|eom_id|>", "<|python_tag|>"]
+LLAMA31_TEMPLATE = (
+    "<|begin_of_text|>"
+    "{% set system = messages[0].content if messages[0].role == 'system' else '' %}"
+    "{% set rest = messages[1:] if messages[0].role == 'system' else messages %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{% if tools %}Environment: ipython\n{% endif %}"
+    "Cutting Knowledge Date: December 2023\n\n{{ system }}<|eot_id|>"
+    "{% for m in rest %}"
+    "{% if m.role == 'user' %}<|start_header_id|>user<|end_header_id|>\n\n"
+    "{% if tools and loop.first %}Given the following functions, respond with a JSON for a function "
+    "call with its proper arguments that best answers the given prompt.\n\n"
+    "{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{% endif %}"
+    "{{ m.content }}<|eot_id|>"
+    "{% elif m.role == 'assistant' %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% if m.get('tool_calls') %}"
+    "{% if m.tool_calls | length != 1 %}{{ raise_exception('only single tool calls') }}{% endif %}"
+    "{% set c = m.tool_calls[0].function %}"
+    "{\"name\": \"{{ c.name }}\", \"parameters\": {{ c.arguments | tojson }}}<|eot_id|>"
+    "{% else %}{{ m.content }}<|eot_id|>{% endif %}"
+    "{% elif m.role == 'tool' or m.role == 'ipython' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+FAMILIES = {"kimi": (KIMI_SPECIALS, KIMI_TEMPLATE), "qwen3": (QWEN3_SPECIALS, QWEN3_TEMPLATE),
+            "llama31": (LLAMA31_SPECIALS, LLAMA31_TEMPLATE)}
+
+
+def family_tokenizer(base, family: str):
+    """A copy of the project's byte-level BPE ``base`` with the family's specials and template."""
+    specials, template = FAMILIES[family]
+    tok = copy.deepcopy(base)
+    tok.add_special_tokens({"additional_special_tokens": specials}, replace_additional_special_tokens=False)
+    tok.chat_template = template
+    return tok
