@@ -564,3 +564,14 @@ def test_a_stopped_writers_temp_files_of_pending_shards_go_and_no_others(tmp_pat
         kept.rename(tmp_path / kept.name.removesuffix(".kept"))
     assert shards.remove_partial_writes(tmp_path, plans[1:3]) == 2
     assert sorted(p.name.split(".")[1] for p in tmp_path.glob(".*.tmp")) == ["shard-00000", "shard-00003"]
+
+
+def test_the_time_split_counts_serial_writes_and_waits_as_capture():
+    from draftline.extract import writer
+
+    beside = writer.TimeSplit(forward=90.0, waiting=1.0, writing=50.0)
+    assert beside.capture_share() == pytest.approx(1 / 91) and not beside.record("rank0")["capture_bound"]
+    assert beside.line() == "forward 90 s, waiting 1 s, writing 50 s (beside)"
+    serial = writer.TimeSplit(forward=90.0, waiting=0.0, writing=50.0, serial=True)
+    assert serial.capture_share() == pytest.approx(50 / 140) and serial.record("driver")["capture_bound"]
+    assert serial.line().endswith("(in between); capture-bound")

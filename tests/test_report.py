@@ -68,7 +68,10 @@ def run_dir(tmp_path) -> Path:
                                 "draft_vocab_size": 16, "target_vocab_size": 64, "draft_vocab_coverage": 0.5})
     _write(run / "extract", {"target": "t", "num_tokens": 300, "num_samples": 3, "tokens_per_second": 1234.5,
                              "shards": [{"tokens": 200, "seconds": 0.5}, {"tokens": 100, "seconds": 0.25}], "resumed_shards": 0,
-                             "bytes_per_token": {"on_disk": 2057.0}})
+                             "bytes_per_token": {"on_disk": 2057.0},
+                             "time_split": {"writer": "rank0", "forward_s": 81.9, "waiting_s": 0.2,
+                                            "writing_s": 1.0, "writing_overlaps_forward": True,
+                                            "capture_share": 0.0021, "capture_bound": False}})
     _write(run / "prepare", {})
     _write(run / "train", {"metrics": {"loss_history": [3.0, 2.0, 1.5], "total_steps": 3, "steps": 3,
                                        "final": {"loss_0": 0.7, "full_acc_0": 0.4, "loss_1": 1.6},
@@ -111,7 +114,9 @@ def test_report_is_one_self_contained_page(run_dir):
     for text in ("1.900 [1.850, 1.950]", "1.400 [1.350, 1.450]", "1.100 [1.050, 1.150]", "0001-x.diff",
                  "0002-v.diff", "abababababababab", "passed", "CI above bigram baseline's",
                  "draft minus bigram baseline", "+0.500 [0.400, 0.600]",
-                 "1234 tok/s", "400 tok/s in generate calls alone"):
+                 "1234 tok/s", "400 tok/s in generate calls alone",
+                 "forward 81.9 s, waiting on copies or the writer 0.2 s, writing 1.0 s (beside the "
+                 "forwards, on the engine&#x27;s rank 0); forward-bound"):
         assert text in page, text
     assert fields["training_history_source"].endswith("train.log")
     assert "not measured" in page and fields["speedup"] is None
@@ -205,6 +210,16 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     assert seen["height"] == 2400 and seen["ink"] > 0.03, seen  # a page, not a blank or an error tab
     assert seen["colour"] > 0.005, seen  # the figures were decoded and drawn
 
+
+
+def test_the_time_split_says_whether_the_capture_path_held_the_forwards_up():
+    driver = {"writer": "driver", "forward_s": 10.0, "waiting_s": 0.0, "writing_s": 30.0,
+              "writing_overlaps_forward": False, "capture_share": 0.75, "capture_bound": True}
+    assert report.time_split_text(driver) == (
+        "forward 10.0 s, waiting on copies or the writer 0.0 s, writing 30.0 s (between the "
+        "forwards, in this process); capture-bound: the forwards waited on the capture path (75% "
+        "of the time; writer driver)")
+    assert report.time_split_text(None).startswith("not recorded")
 
 
 def test_the_extraction_card_explains_its_two_rates():
