@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
-from draftline.pipeline.config import UserError
+from draftline.pipeline.config import UserConfigError, UserError
 
 # The files through which transformers and vLLM find a directory's own classes.
 CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
@@ -88,7 +88,7 @@ FAMILIES = {f.model_type: f for f in (
 )}
 
 
-class UnsupportedFamily(UserError, ValueError):
+class UnsupportedFamily(UserConfigError):
     """The target's model_type is not one vLLM 0.16 serves with an EAGLE-3 draft here."""
 
     hint_text = f"the families draftline serves with EAGLE-3, and why others are left out: {FAMILY_TABLE}"
