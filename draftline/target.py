@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
-from draftline.pipeline.config import UserError
+from draftline.pipeline.config import UserConfigError, UserError
 
 # The files through which transformers and vLLM find a directory's own classes.
 CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
@@ -52,6 +52,55 @@ def check(model_dir: str | Path, trust_remote_code: bool) -> bool:
             "it only when the model config allows it: set model.trust_remote_code=true if you "
             "trust this directory")
     return bool(trust_remote_code)
+
+
+# --------------------------------------------------------------------------- families
+
+FAMILY_TABLE = "docs/families.md"  # the table below with what the rehearsal keeps and drops, and the proofs
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model_type vLLM 0.16 (with patches/vllm/) serves as an EAGLE-3 target and transformers
+    4.57 knows (docs/families.md says how each was read and what is proven)."""
+
+    model_type: str     # config.json's (the wrapper's, for a multimodal model)
+    architecture: str   # vLLM's class (SupportsEagle3)
+    public_model: str   # one public checkpoint of the family
+    miniature: bool     # the rehearsal builds its miniature (draftline.tiny.miniature)
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", "meta-llama/Llama-3.1-8B-Instruct", True),
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen/Qwen2.5-7B-Instruct", True),
+    Family("qwen3", "Qwen3ForCausalLM", "Qwen/Qwen3-8B", True),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", True),
+    Family("gpt_oss", "GptOssForCausalLM", "openai/gpt-oss-20b", True),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3", True),
+    Family("kimi_k2", "DeepseekV3ForCausalLM", "moonshotai/Kimi-K2-Instruct", True),
+    Family("kimi_k25", "KimiK25ForConditionalGeneration", "moonshotai/Kimi-K2.5", True),
+    Family("llama4", "Llama4ForConditionalGeneration", "meta-llama/Llama-4-Scout-17B-16E-Instruct", False),
+    Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "tencent/Hunyuan-7B-Instruct", False),
+    Family("llava", "LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf", False),
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen/Qwen2.5-VL-7B-Instruct", False),
+    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-8B-Instruct", False),
+    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen/Qwen3-VL-30B-A3B-Instruct", False),
+)}
+
+
+class UnsupportedFamily(UserConfigError):
+    """The target's model_type is not one vLLM 0.16 serves with an EAGLE-3 draft here."""
+
+    hint_text = f"the families draftline serves with EAGLE-3, and why others are left out: {FAMILY_TABLE}"
+
+
+def family_of(config: dict) -> Family:
+    """The Family of a parsed config.json, or UnsupportedFamily naming its model_type."""
+    model_type = str(config.get("model_type"))
+    if model_type not in FAMILIES:
+        raise UnsupportedFamily(f"model_type {model_type!r} ({(config.get('architectures') or ['?'])[0]}): "
+                                f"not a family vLLM 0.16 serves with an EAGLE-3 draft (see {FAMILY_TABLE})")
+    return FAMILIES[model_type]
 
 
 @dataclasses.dataclass(frozen=True)

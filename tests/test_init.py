@@ -141,3 +141,33 @@ def test_the_shipped_examples_compose_with_vllms_aux_ids(name, layers):
     assert (cfg.exp, cfg.model.name, cfg.model.num_layers) == (name, name, layers)
     assert list(cfg.model.aux_layer_ids) == init.aux_layer_ids(layers)
     assert OmegaConf.is_missing(OmegaConf.load(config.CONF_DIR / f"model/{name}.yaml"), "path")
+
+
+# Each weightless directory of tests/assets/ (a public model's config.json, tests/test_families.py):
+# (layers, vLLM's default aux ids, suggested TP from the estimated weights, remote code).
+FAMILIES = {"llama-3.1-8b-shaped": (32, [2, 16, 29], 1, False), "qwen2.5-7b-shaped": (28, [2, 14, 25], 1, False),
+            "qwen3-8b-shaped": (36, [2, 18, 33], 1, False), "qwen3-30b-a3b-shaped": (48, [2, 24, 45], 2, False),
+            "gpt-oss-20b-shaped": (24, [2, 12, 21], 1, False), "kimi-k2.5-shaped": (61, [2, 30, 58], 8, True)}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_init_on_every_family_writes_configs_that_compose(name, data, conf):
+    layers, aux_ids, tp, remote = FAMILIES[name]
+    init.init(str(REPO / "tests/assets" / name), str(data), name, conf_dir=conf)
+    cfg = config.compose([f"experiment={name}"], conf_dir=conf)
+    assert (cfg.model.num_layers, list(cfg.model.aux_layer_ids)) == (layers, aux_ids)
+    assert (cfg.model.tensor_parallel_size, cfg.model.trust_remote_code) == (tp, remote)
+    config.check(cfg)
+
+
+def test_a_family_vllm_does_not_serve_with_eagle3_is_refused_with_the_tables_path(tiny, data, conf, tmp_path):
+    mixtral = shutil.copytree(tiny, tmp_path / "mixtral")
+    cfg = json.loads((mixtral / "config.json").read_text())
+    (mixtral / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    cli = subprocess.run([sys.executable, "-m", "draftline.pipeline.init", str(mixtral), str(data),
+                          "--conf-dir", str(conf)], capture_output=True, text=True, cwd=REPO)
+    assert cli.returncode == 2 and written(conf) == set()
+    assert cli.stderr.splitlines() == [
+        "draftline: model_type 'mixtral' (MixtralForCausalLM): not a family vLLM 0.16 serves with an "
+        "EAGLE-3 draft (see docs/families.md)",
+        "hint: the families draftline serves with EAGLE-3, and why others are left out: docs/families.md"]

@@ -304,6 +304,44 @@ def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path)
     assert _kinds_in_transformers(mini["path"]) == ["dense"] + ["moe"] * 7
 
 
+def _family_overrides(model_dir: Path, data: Path) -> tuple[str, ...]:
+    """A qwen3-8b run (a shipped experiment) pointed at ``model_dir`` with the model fields
+    `make init` would write for it (draftline.pipeline.init)."""
+    from draftline.pipeline import init
+
+    facts = init.describe("x", json.loads((model_dir / "config.json").read_text()), [])
+    return (f"model.path={model_dir}", f"data.path={data}", f"model.num_layers={facts.shape.num_layers}",
+            f"model.hidden_size={facts.shape.hidden_size}", f"model.aux_layer_ids={facts.aux_layer_ids}",
+            f"model.dtype={facts.dtype}", "tokenize.seq_length=512", "extract.max_model_len=1024")
+
+
+@pytest.mark.vllm
+@pytest.mark.long
+# gpt-oss is left out: its miniature's extraction fails in the CPU engine's worker ("expected
+# scalar type BFloat16 but found Float" in _capture_step, float32 run); docs/families.md.
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-shaped", "qwen3-8b-shaped", "qwen2.5-7b-shaped",
+                                  "llama-3.1-8b-shaped"])
+def test_each_familys_weightless_directory_rehearses(tmp_path, name):
+    """docs/families.md's engine cells: the miniature, extraction against transformers per slot,
+    greedy speculative decoding equal to the plain engine, `vllm serve`, on the CPU engine."""
+    from draftline.pipeline import status
+
+    embedded = compose("tiny")
+    status.ensure_assets(embedded)
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(Path(embedded.data.path).read_bytes())
+    overrides = _family_overrides(REPO / "tests/assets" / name, data)
+    run_dir = _tokenized(tmp_path, "qwen3-8b", *overrides)
+    start = time.monotonic()
+    result = _stage("rehearse", "qwen3-8b", run_dir, *overrides)
+    print(f"\n{name}: rehearsal {time.monotonic() - start:.0f} s")
+    output = result.stdout + result.stderr
+    manifest = _check_rehearsal(run_dir, output)
+    print("\n".join(line for line in output.splitlines() if "PASS" in line or "not rehearsed" in line))
+    mini = manifest["miniature"]
+    assert _kinds_in_transformers(mini["path"]) == [kind.split("/")[0] for kind in mini["layer_kinds"]]
+
+
 @pytest.mark.vllm
 def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_call(tmp_path):
     run_dir = _tokenized(tmp_path, "tiny")

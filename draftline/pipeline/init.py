@@ -112,6 +112,8 @@ def quantized_bytes(quant: dict | None) -> float | None:
     group = weights.get("group_size") or quant.get("group_size") or quant.get("q_group_size")
     if not bits and quant.get("quant_method") == "fp8":
         bits = 8
+    if not bits and quant.get("quant_method") == "mxfp4":  # 4-bit values, one 8-bit scale per 32
+        return (4 + 8 / 32) / 8
     if not bits:
         return None
     return (bits + (16 / group if group and group > 0 else 0)) / 8
@@ -184,6 +186,7 @@ def read_model(model_dir: Path, name: str):
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise UserConfigError(f"{path}: no num_hidden_layers and hidden_size ({type(error).__name__}: {error})",
                               "a decoder LLM's config.json names both (a multimodal wrapper's in text_config)") from None
+    target.family_of(config)  # a model_type vLLM serves with EAGLE-3, or the table's path
     if int(text["num_hidden_layers"]) < 4:
         raise UserConfigError(f"{path}: {text['num_hidden_layers']} layers",
                               "EAGLE-3 reads three distinct decoder layers past the first: the target needs at least 4")

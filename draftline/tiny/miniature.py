@@ -35,12 +35,12 @@ import re
 import shutil
 from pathlib import Path
 
+from draftline import target
 from draftline.pipeline.artifacts import atomic_dir
 from draftline.tiny import targets
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")  # built as transformers' DeepseekV3
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # transformers classes for these types
 WRAPPER_PREFIX = {"kimi_k25": targets.KIMI_K25_LANGUAGE_PREFIX}  # text weights under this prefix
 # Files that hold weights (or their index): never opened, never copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt",
@@ -59,7 +59,7 @@ class LayerPlan:
 
     num_layers: int                 # the target's
     kept: tuple[int, ...]           # the target's layer indices, in order
-    kinds: tuple[str, ...]          # "dense" or "moe" of each kept layer (the target's kind)
+    kinds: tuple[str, ...]          # each kept layer's kind (layer_kinds: "moe", "dense/sliding", ...)
     target_aux_layer_ids: tuple[int, ...]
     aux_layer_ids: tuple[int, ...]  # the same layers' indices in the miniature
 
@@ -69,7 +69,7 @@ class LayerPlan:
 
     @property
     def first_k_dense_replace(self) -> int:
-        dense = [kind == "dense" for kind in self.kinds]
+        dense = [mlp_kind(kind) == "dense" for kind in self.kinds]
         return dense.index(False) if False in dense else len(dense)
 
     def describe(self) -> str:
@@ -78,13 +78,75 @@ class LayerPlan:
                 f"i-1, i of each aux id i), aux ids {ids}")
 
 
+# --------------------------------------------------------------------------- layer kinds
+#
+# A layer's kind is what vLLM 0.16 builds at that index: its MLP (dense or MoE), its attention
+# (sliding or full, where the family has both) and whether it rotates positions. The miniature
+# keeps every kept layer's kind; ``layer_kinds`` of the miniature's config must equal the kept
+# layers' kinds in the target's, or the builder refuses.
+
+
+def mlp_kind(kind: str) -> str:
+    return kind.split("/")[0]
+
+
+def _is_moe(text: dict, i: int) -> bool:
+    model_type = text.get("model_type")
+    if model_type in DEEPSEEK_TYPES:
+        first_dense, every = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1))
+        return bool(text.get("n_routed_experts")) and i >= first_dense and i % every == 0
+    if text.get("num_experts") and "decoder_sparse_step" in text:  # Qwen2/Qwen3-MoE (qwen3_moe.py)
+        return (i + 1) % int(text["decoder_sparse_step"]) == 0 and i not in (text.get("mlp_only_layers") or [])
+    if "interleave_moe_layer_step" in text:  # Llama 4 (vLLM's llama4.py reads the step, not moe_layers)
+        step = int(text["interleave_moe_layer_step"])
+        return step > 0 and (i + 1) % step == 0
+    return bool(text.get("num_local_experts"))  # gpt-oss, Mixtral: every layer
+
+
+def _attention_kind(text: dict, i: int) -> str | None:
+    if text.get("model_type") == "gpt_oss":  # vLLM's gpt_oss.py: even layers slide, whatever layer_types says
+        return "sliding" if i % 2 == 0 else "full"
+    if text.get("layer_types"):
+        return str(text["layer_types"][i]).removesuffix("_attention")
+    if text.get("use_sliding_window") and text.get("sliding_window"):  # Qwen2/Qwen3: from max_window_layers on
+        return "sliding" if i >= int(text.get("max_window_layers") or 0) else "full"
+    return None
+
+
 def layer_kinds(text: dict) -> list[str]:
-    """Each decoder layer's kind, as vLLM's and transformers' DeepseekV2/V3 decide it."""
-    num_layers = int(text["num_hidden_layers"])
-    if text.get("model_type") not in DEEPSEEK_TYPES or not text.get("n_routed_experts"):
-        return ["dense"] * num_layers
-    first_dense, every = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1))
-    return ["moe" if i >= first_dense and i % every == 0 else "dense" for i in range(num_layers)]
+    """Each decoder layer's kind as vLLM builds it: "moe" or "dense", then "/sliding", "/full",
+    "/chunked" where the family mixes attention kinds, "/nope" for a layer without rope."""
+    kinds = []
+    for i in range(int(text["num_hidden_layers"])):
+        parts = ["moe" if _is_moe(text, i) else "dense"]
+        attention = _attention_kind(text, i)
+        if attention is not None:
+            parts.append(attention)
+        if text.get("no_rope_layers") and text["no_rope_layers"][i] == 0:
+            parts.append("nope")
+        kinds.append("/".join(parts))
+    return kinds
+
+
+def layer_period(text: dict) -> int:
+    """The period of the kinds vLLM derives from a layer's index alone (not from a list the
+    miniature can subset): gpt-oss alternates attention, a sparse step spaces MoE layers."""
+    if text.get("model_type") == "gpt_oss":
+        return 2
+    for key in ("decoder_sparse_step", "interleave_moe_layer_step"):
+        if int(text.get(key) or 1) > 1:
+            return int(text[key])
+    return 1
+
+
+def _aligned(wanted: list[int], period: int) -> list[int]:
+    """``wanted`` plus the fewest layers before each one that put every kept layer at a
+    position congruent to its index modulo ``period`` (so index arithmetic gives its kind)."""
+    kept: list[int] = []
+    for layer in wanted:
+        gap = (layer - len(kept)) % period
+        kept.extend(range(layer - gap, layer + 1))
+    return kept
 
 
 def plan_layers(text: dict, aux_layer_ids: list[int]) -> LayerPlan:
@@ -94,14 +156,54 @@ def plan_layers(text: dict, aux_layer_ids: list[int]) -> LayerPlan:
         raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} invalid for a {num_layers}-layer "
                          f"target: need distinct ids in [1, {num_layers - 1}]")
     kinds = layer_kinds(text)
-    kept = sorted({0, num_layers - 1, *(int(i) - 1 for i in aux_layer_ids), *map(int, aux_layer_ids)})
+    wanted = sorted({0, num_layers - 1, *(int(i) - 1 for i in aux_layer_ids), *map(int, aux_layer_ids)})
+    kept = _aligned(wanted, layer_period(text))
     kept_kinds = [kinds[i] for i in kept]
-    if "moe" in kept_kinds and "dense" in kept_kinds[kept_kinds.index("moe"):]:
+    mlp = [mlp_kind(k) for k in kept_kinds]
+    if text.get("model_type") in DEEPSEEK_TYPES and "moe" in mlp and "dense" in mlp[mlp.index("moe"):]:
         raise ValueError(f"moe_layer_freq {text.get('moe_layer_freq')}: dense layers between MoE "
                          "layers cannot be kept by a first_k_dense_replace; no miniature for it")
     mapping = {layer: index for index, layer in enumerate(kept)}
     return LayerPlan(num_layers, tuple(kept), tuple(kept_kinds), tuple(map(int, aux_layer_ids)),
                      tuple(mapping[int(i)] for i in aux_layer_ids))
+
+
+# Layer-indexed fields and how the miniature keeps them consistent with its kept layers.
+INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # layer indices: remapped, dropped layers left out
+PREFIX_COUNTS = ("max_window_layers",)  # "layers below this index": the kept ones below it
+STEPS = ("decoder_sparse_step", "interleave_moe_layer_step")  # kept: the plan aligns positions
+NOT_INDEXED = ("num_hidden_layers", "num_nextn_predict_layers", "output_router_logits")
+
+
+def layer_fields(text: dict, plan: LayerPlan) -> dict:
+    """The miniature's values of ``text``'s layer-indexed fields: a list as long as the layer
+    count is subset to the kept layers, index lists and prefix counts are remapped, steps kept.
+    A field named for layers that none of these rules covers is refused, naming it."""
+    num_layers, mapping, updates = plan.num_layers, plan.mapping, {}
+    for key, value in text.items():
+        if key in INDEX_LISTS and isinstance(value, list):
+            updates[key] = [mapping[int(i)] for i in value if int(i) in mapping]
+        elif isinstance(value, list) and len(value) == num_layers:
+            updates[key] = [value[i] for i in plan.kept]
+        elif key in PREFIX_COUNTS and value is not None:
+            updates[key] = sum(1 for i in plan.kept if i < int(value))
+        elif ("layer" in key and key not in NOT_INDEXED + STEPS and key != "moe_layer_freq"
+              and isinstance(value, (int, list)) and not isinstance(value, bool)):
+            raise ValueError(f"{key}={value!r}: a layer-indexed field the miniature builder cannot "
+                             f"keep consistent with its {len(plan.kept)} of {num_layers} layers")
+    return updates
+
+
+def check_kinds(mini: dict, plan: LayerPlan) -> None:
+    """The miniature's config gives every kept layer the kind it has in the target."""
+    got = layer_kinds(mini)
+    wrong = [(layer, want, have) for layer, want, have in zip(plan.kept, plan.kinds, got) if want != have]
+    if wrong:
+        layer, want, have = wrong[0]
+        fields = [k for k in (*STEPS, *INDEX_LISTS, *PREFIX_COUNTS, "layer_types", "no_rope_layers",
+                              "first_k_dense_replace", "moe_layer_freq") if k in mini]
+        raise ValueError(f"{', '.join(fields) or 'layer kinds'}: the miniature's layer {plan.mapping[layer]} "
+                         f"would be {have}, the target's layer {layer} is {want}; no miniature for it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +239,7 @@ def quantization_plan(quant: dict | None, device: str) -> tuple[dict | None, dic
     int4 = (method == "compressed-tensors" and quant.get("format") == "pack-quantized" and weights
             and all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("strategy") == "group"
                     for w in weights))
-    what = f"quantization_config ({method}, {quant.get('format', '')}" + (
+    what = f"quantization_config ({', '.join(filter(None, (method, quant.get('format'))))}" + (
         f", INT4 groups of {weights[0].get('group_size')})" if int4 else ")")
     if device != "cuda":
         reason = ("INT4 MoE: no CPU kernel (vLLM 0.16 runs compressed-tensors INT4 experts with "
@@ -159,6 +261,23 @@ def _heads(text: dict, tensor_parallel_size: int) -> tuple[int, int]:
 
 def _cpu_head_size(size: int) -> int:
     return size if size in CPU_HEAD_SIZES else 64
+
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts")  # Qwen-MoE; gpt-oss, Mixtral, Llama 4
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")  # gpt-oss spells it both ways
+
+
+def _experts(text: dict, expert_mlp: int, mlp: int) -> dict:
+    """Fewer, narrower routed experts; the router (its scoring, top-k normalisation, bias) is
+    the target's. gpt-oss's experts are ``intermediate_size`` wide, already shrunk."""
+    if not any(text.get(key) for key in EXPERT_COUNTS):
+        return {}
+    mini = {key: EXPERTS for key in EXPERT_COUNTS if text.get(key)}
+    mini.update({key: min(int(text[key]), TOP_K) for key in TOP_K_KEYS if text.get(key)})
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp"):
+        if text.get(key):
+            mini[key] = expert_mlp if key == "moe_intermediate_size" else mlp
+    return mini
 
 
 def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_size: int,
@@ -195,6 +314,10 @@ def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_siz
                             f"the miniature uses {_cpu_head_size(head)}"})
             head = _cpu_head_size(head)
         mini.update(head_dim=head, hidden_size=heads * head)
+        mini.update(_experts(text, (per_rank or EXPERT_MLP) * max(1, tensor_parallel_size),
+                             MLP * max(1, tensor_parallel_size)))
+    mini.update(layer_fields(text, plan))
+    check_kinds(mini, plan)
     if not quantized:
         mini.pop("quantization_config", None)
     changed = {key: [text.get(key), value] for key, value in sorted(mini.items()) if text.get(key) != value}
@@ -219,28 +342,40 @@ def shrink_vision(vision: dict, text_hidden: int) -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def _text_model(text: dict, seed: int):
-    """A random transformers model for the miniature's text config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+def hf_config(text: dict):
+    """transformers' config of the miniature's text model; its validation (per-layer lists
+    against the layer count, ...) is a one-line ValueError here, before any weight is made."""
+    from transformers import AutoConfig, DeepseekV3Config
 
     fields = {k: v for k, v in text.items() if k not in ("auto_map", "quantization_config",
                                                           "architectures", "model_type")}
+    try:
+        if text.get("model_type") in DEEPSEEK_TYPES:
+            return DeepseekV3Config(**fields)
+        return AutoConfig.for_model(str(text.get("model_type")), **fields)
+    except (ValueError, TypeError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"transformers refuses the miniature's {text.get('model_type')} config: "
+                         f"{type(error).__name__}: {first}") from error
+
+
+def _text_model(text: dict, seed: int):
+    """A random transformers model for the miniature's text config."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+    config = hf_config(text)
     with targets._seeded(seed):
         if text.get("model_type") in DEEPSEEK_TYPES:
-            model = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+            model = DeepseekV3ForCausalLM(config)
             with torch.no_grad():  # the routing bias vLLM's noaux_tc loader expects, exercised
                 for layer in model.model.layers:
                     gate = getattr(layer.mlp, "gate", None)
                     if getattr(gate, "e_score_correction_bias", None) is not None:
                         gate.e_score_correction_bias.copy_(
                             torch.randn(gate.e_score_correction_bias.shape) * 0.02)
-        elif text.get("model_type") in DENSE_TYPES:
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(text["model_type"], **fields))
         else:
-            raise NotImplementedError(
-                f"no miniature builder for model_type {text.get('model_type')!r} (supported: "
-                f"{', '.join(DEEPSEEK_TYPES + DENSE_TYPES)}, and kimi_k25 around them)")
+            model = AutoModelForCausalLM.from_config(config)
     return model.eval()
 
 
@@ -325,6 +460,10 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
 
     target_dir = Path(target_dir)
     config = json.loads((target_dir / "config.json").read_text())
+    family = target.family_of(config)
+    if not family.miniature:
+        raise NotImplementedError(f"model_type {family.model_type!r}: the miniature builder does not make "
+                                  f"this family yet; see {target.FAMILY_TABLE}")
     text = config.get("text_config", config)
     plan = plan_layers(text, list(aux_layer_ids))
     quant, quant_dropped = quantization_plan(config.get("quantization_config") or text.get("quantization_config"),
@@ -332,6 +471,7 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
     mini_text, shrunk, dropped = shrink_text(text, plan, device=device,
                                              tensor_parallel_size=tensor_parallel_size,
                                              mla_disable=mla_disable, quantized=quant is not None)
+    hf_config(mini_text)  # transformers' own checks of the config, before any weight is made
     dropped = ([quant_dropped] if quant_dropped else []) + dropped
     mini = dict(config)
     if "text_config" in config:
@@ -389,9 +529,7 @@ def load_reference(model_dir: str | Path):
             model.load_state_dict({n: weights.get_tensor(n).float() for n in weights.keys()}, strict=True)
         model.config._attn_implementation = "eager"
         return model.eval(), None
-    if model_type in DENSE_TYPES:
-        return targets.load_hf_model(model_dir), None
-    return None, f"transformers has no {model_type} class without remote code"
+    return targets.load_hf_model(model_dir), None
 
 
 def reference_hidden_states(model, token_ids: list[int]) -> list:
