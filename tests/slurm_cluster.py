@@ -118,11 +118,12 @@ class Cluster:
         found, marker = [], f"SLURM_CONF={self.conf}".encode()
         for environ in Path("/proc").glob("[0-9]*/environ"):
             try:
-                if marker in environ.read_bytes().split(b"\0") and b"SLURM_JOB_ID" in environ.read_bytes():
-                    found.append(int(environ.parent.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                variables = environ.read_bytes().split(b"\0")
+            except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
                 continue
-        return [pid for pid in found if pid != os.getpid()]
+            if marker in variables and any(v.startswith(b"SLURM_JOB_ID=") for v in variables):
+                found.append(int(environ.parent.name))
+        return found
 
     def stop(self) -> None:
         """Cancel every job, end what they left behind, then each daemon by its pid (last

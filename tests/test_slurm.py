@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from test_pipeline import _copy_repo
+from test_pipeline import REPO, _copy_repo
 from test_scale import DRAFT_ATOL, max_draft_difference
 
 pytestmark = [pytest.mark.long, pytest.mark.vllm]
@@ -56,10 +56,12 @@ def cluster(tmp_path_factory):
 
 
 def checkout(tmp_path: Path) -> Path:
-    """A copy of the repository with the project's .venv, as a user's checkout with
-    `make setup` done."""
+    """A copy of the repository with what `make setup` made here (.venv, .tools where uv is
+    not on PATH), as a user's checkout after `make setup`."""
     repo = _copy_repo(tmp_path)
     (repo / ".venv").symlink_to(Path(sys.prefix))
+    if (REPO / ".tools").exists():
+        (repo / ".tools").symlink_to(REPO / ".tools")
     # Else the first `make` in the copy (two jobs at once) would re-sync the project's .venv.
     stale = subprocess.run(["make", "-q", "setup"], cwd=repo, capture_output=True, text=True)
     if stale.returncode:
@@ -87,7 +89,8 @@ def job_records(cluster: slurm_cluster.Cluster, job: str) -> dict[str, dict[str,
     for line in cluster.run("scontrol", "show", "job", "-o", job).splitlines():
         fields = dict(re.findall(r"(\S+?)=(\S*)", line))
         task = fields.get("ArrayTaskId")
-        records[f"{fields['JobName']}{'_' + task if task else ''} {fields['JobId']}"] = fields
+        job_id = f"{fields['ArrayJobId']}_{task}" if task else fields["JobId"]
+        records[f"{fields['JobName']}{'_' + task if task else ''} {job_id}"] = fields
     return records
 
 
@@ -108,7 +111,7 @@ def settle(cluster: slurm_cluster.Cluster, jobs: dict[str, str], timeout_s: floa
     records = {}
     for job in jobs.values():
         records |= job_records(cluster, job)
-    for name, fields in sorted(records.items(), key=lambda item: int(item[1]["JobId"])):
+    for name, fields in sorted(records.items(), key=lambda item: item[0].split()[1]):
         print(f"  {name}: {fields['JobState']} ({fields['Reason']}), exit {fields['ExitCode']}, "
               f"{seconds(fields['RunTime'])} s")
     return records
@@ -132,7 +135,7 @@ def test_a_failing_job_shows_its_traceback_and_cancels_the_jobs_after_it(cluster
     stage's traceback in its output file; extract and train are cancelled, not left pending."""
     repo = checkout(tmp_path)
     jobs = submit(cluster, repo, overrides=f"{OVERRIDES} tokenize.seq_length=0")
-    records = settle(cluster, jobs, timeout_s=300)
+    records = settle(cluster, jobs, timeout_s=240)  # regenerate fails within a minute
     assert state_of(records, "draftline-regenerate") == "FAILED"
     for name in ("draftline-extract", "draftline-train"):
         (fields,) = [f for n, f in records.items() if n.startswith(name)]
