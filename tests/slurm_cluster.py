@@ -121,6 +121,8 @@ class Cluster:
                 variables = environ.read_bytes().split(b"\0")
             except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
                 continue
+            except PermissionError:  # not ours: this cluster's jobs run as root, like us
+                continue
             if marker in variables and any(v.startswith(b"SLURM_JOB_ID=") for v in variables):
                 found.append(int(environ.parent.name))
         return found

@@ -111,7 +111,10 @@ def settle(cluster: slurm_cluster.Cluster, jobs: dict[str, str], timeout_s: floa
     records = {}
     for job in jobs.values():
         records |= job_records(cluster, job)
-    for name, fields in sorted(records.items(), key=lambda item: item[0].split()[1]):
+    def order(item):  # submission order; an array's tasks (or its pending range "0-1") in turn
+        return int(item[1].get("ArrayJobId", item[1]["JobId"])), item[1].get("ArrayTaskId", "")
+
+    for name, fields in sorted(records.items(), key=order):
         print(f"  {name}: {fields['JobState']} ({fields['Reason']}), exit {fields['ExitCode']}, "
               f"{seconds(fields['RunTime'])} s")
     return records
