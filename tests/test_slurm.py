@@ -181,7 +181,7 @@ def test_submit_runs_the_tiny_pipeline_on_two_nodes_like_one_host(cluster, tmp_p
     planned = re.search(r"(\d+) shards planned here, (\d+) to extract", resumed)
     print(f"resubmitted slice 1: {planned[0]}; chain {time.monotonic() - started:.0f} s")
     assert int(planned[2]) == int(planned[1]) - len(kept) > 0, planned[0]
-    assert {n: v for n, v in kept.items()} == {
+    assert kept == {
         n: ((extract_dir / n).stat().st_ino, (extract_dir / n).stat().st_mtime_ns) for n in kept}
     train_output = (repo / f"draftline-train-{again['train']}.out").read_text()
     assert "--nnodes 2 --rdzv-backend c10d" in train_output and "Rank 1 is connected to 1 peer" in train_output
