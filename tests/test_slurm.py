@@ -14,7 +14,6 @@ skip into a failure.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from draftline.pipeline import artifacts
 import slurm_cluster
 from test_pipeline import REPO, _copy_repo
 from test_scale import DRAFT_ATOL, max_draft_difference
@@ -100,6 +100,12 @@ def seconds(run_time: str) -> int:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
+def submission_order(record: tuple[str, dict]) -> tuple[int, str]:
+    """Jobs in the order submitted; an array's tasks (or its pending range, "0-1") in turn."""
+    fields = record[1]
+    return int(fields.get("ArrayJobId", fields["JobId"])), fields.get("ArrayTaskId", "")
+
+
 def settle(cluster: slurm_cluster.Cluster, jobs: dict[str, str], timeout_s: float = JOB_TIMEOUT) -> dict[str, dict]:
     """Wait until no job of ``jobs`` is pending or running; print and return their records."""
     ids = ",".join(jobs.values())
@@ -111,10 +117,7 @@ def settle(cluster: slurm_cluster.Cluster, jobs: dict[str, str], timeout_s: floa
     records = {}
     for job in jobs.values():
         records |= job_records(cluster, job)
-    def order(item):  # submission order; an array's tasks (or its pending range "0-1") in turn
-        return int(item[1].get("ArrayJobId", item[1]["JobId"])), item[1].get("ArrayTaskId", "")
-
-    for name, fields in sorted(records.items(), key=order):
+    for name, fields in sorted(records.items(), key=submission_order):
         print(f"  {name}: {fields['JobState']} ({fields['Reason']}), exit {fields['ExitCode']}, "
               f"{seconds(fields['RunTime'])} s")
     return records
@@ -125,12 +128,8 @@ def state_of(records: dict[str, dict], name: str) -> str:
     return state
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def shard_files(repo: Path) -> dict[str, str]:
-    return {p.name: sha256(p) for p in sorted((repo / "runs/tiny/extract").glob("shard-*.safetensors"))}
+    return {p.name: artifacts.sha256_file(p) for p in sorted((repo / "runs/tiny/extract").glob("shard-*.safetensors"))}
 
 
 def test_a_failing_job_shows_its_traceback_and_cancels_the_jobs_after_it(cluster, tmp_path):
