@@ -129,12 +129,19 @@ class Cluster:
 
     def stop(self) -> None:
         """Cancel every job, end what they left behind, then each daemon by its pid (last
-        started first). Raises if a daemon does not end."""
-        if self.conf.exists():
-            self.run("scancel", "--full", *re.findall(r"\d+", self.run("squeue", "-h", "-o", "%A", check=False)),
-                     check=False)
-        for pid in self.job_processes():
-            _signal(pid, signal.SIGKILL)
+        started first), the daemons even when the first part raised. Raises if a daemon does
+        not end on SIGTERM."""
+        try:
+            if self.conf.exists():
+                queued = re.findall(r"\d+", self.run("squeue", "-h", "-o", "%A", check=False))
+                if queued:
+                    self.run("scancel", "--full", *queued)
+            for pid in self.job_processes():
+                _signal(pid, signal.SIGKILL)
+        finally:
+            self._stop_daemons()
+
+    def _stop_daemons(self) -> None:
         stuck = []
         for pidfile in reversed(self.pidfiles):
             if not pidfile.exists():
