@@ -27,6 +27,7 @@ from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
 from conftest import compose
+import slurm_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds for one stage run (imports dominate on a busy 2-core box)
@@ -246,16 +247,65 @@ def test_benchmark_runs_ddp_under_torchrun_with_gloo_each_rank_on_its_share(tmp_
     assert all(rows) and not rows[0] & rows[1], rows  # each rank its own share
 
 
+def upstream_of(prepared: dict, run_dir: Path) -> Path:
+    """A fresh run dir whose upstream stages are links to ``prepared``'s."""
+    for stage in ("regenerate", "extract", "prepare"):
+        target = run_dir / stage
+        target.mkdir(parents=True)
+        for path in (prepared["run_dir"] / stage).iterdir():
+            (target / path.name).symlink_to(path)
+    return run_dir
+
+
+# The draft of two nodes against one node's with the same processes in all: the same world
+# size, so the same batches per rank and gloo's allreduce of the same two gradients; only a
+# collective's summation order may differ (measured: identical, 0.0).
+DRAFT_ATOL = 1e-6
+
+
+def max_draft_difference(one: Path, other: Path) -> float:
+    """The largest |difference| between two runs' drafts (<run dir>/draft), same tensors."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(run_dir / "draft" / "model.safetensors") for run_dir in (one, other))
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)  # t2d is bool
+
+
+@pytest.mark.long
+def test_two_nodes_on_one_rendezvous_train_the_draft_one_node_does(prepared, tmp_path):
+    """What each Slurm or Kubernetes node runs, without a scheduler: two `make train GPUS=1`
+    processes with train.nodes=2 and one c10d rendezvous on localhost, against one process
+    pair on one node (train.gpus=2)."""
+    port = slurm_cluster.free_ports(1)[0]
+    steps = ("train.steps=6", "train.checkpoint_every=6")
+    node = train_command(prepared, "train.gpus=1", "train.nodes=2", f"train.rendezvous=127.0.0.1:{port}",
+                         *steps, run_dir=upstream_of(prepared, tmp_path / "nodes"))
+    start = time.monotonic()
+    nodes = [subprocess.Popen(node, cwd=REPO, env=stage_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [finish(process, []) for process in nodes]
+    for process, output in zip(nodes, outputs):
+        assert process.returncode == 0, output
+    assert "--nnodes 2 --rdzv-backend c10d" in outputs[0]
+    two_nodes = time.monotonic() - start
+    one = subprocess.run(train_command(prepared, "train.gpus=2", *steps,
+                                       run_dir=upstream_of(prepared, tmp_path / "node")),
+                         cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0, one.stdout + one.stderr
+    manifest = json.loads((tmp_path / "nodes" / "train" / "manifest.json").read_text())
+    assert manifest["metrics"]["world_size"] == 2
+    difference = max_draft_difference(tmp_path / "nodes", tmp_path / "node")
+    print(f"\ntwo nodes x 1 process {two_nodes:.0f} s; draft against one node x 2: max |difference| "
+          f"{difference:.3g} (tolerance {DRAFT_ATOL:g})")
+    assert difference <= DRAFT_ATOL
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_ends_the_run_without_a_manifest(prepared, tmp_path):
     """A rank that cannot print anything (SIGKILL): torchrun names it and ends the others."""
     command = train_command(prepared, "train.gpus=2", "train.steps=30",
-                            run_dir=tmp_path / "run")
-    for stage in ("regenerate", "extract", "prepare"):
-        target = tmp_path / "run" / stage
-        target.mkdir(parents=True)
-        for path in (prepared["run_dir"] / stage).iterdir():
-            (target / path.name).symlink_to(path)
+                            run_dir=upstream_of(prepared, tmp_path / "run"))
     process, lines = run_until_step(command, 2)
     os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
     output = finish(process, lines)
@@ -503,6 +553,8 @@ def check_make_call(call: list[str], cfg) -> dict[str, str]:
     assert targets and set(targets) <= known_targets, (call, sorted(known_targets))
     assert set(variables) <= known_variables, (call, sorted(known_variables))
     for override in variables.get("OVERRIDES", "").split():
+        if override == "$OVERRIDES":  # the user's own, passed through (deploy/slurm/common.sh)
+            continue
         key = override.split("=", 1)[0]
         assert OmegaConf.select(cfg, key, default=KeyError, throw_on_missing=False) is not KeyError, key
     return variables
@@ -523,32 +575,97 @@ def test_slurm_scripts_run_make_targets_and_keys_that_exist():
 
     calls = {name: [check_make_call(c, cfg) | {"target": make_arguments(c)[0][0]} for c in make_calls(text)]
              for name, text in scripts.items()}
-    assert calls["regenerate.sbatch"] == [{"target": "regenerate", "EXP": "$EXP"}]
+    assert calls["regenerate.sbatch"] == [{"target": "regenerate", "EXP": "$EXP", "OVERRIDES": "$OVERRIDES"}]
+    # The slice count is SLICES, not the array's size: one task resubmitted alone is still
+    # slice i of SLICES.
     assert calls["extract.sbatch"] == [{"target": "extract", "EXP": "$EXP",
-                                        "SHARD": "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT",
-                                        "OVERRIDES": "extract.replicas=$REPLICAS"}]
+                                        "SHARD": "$SLURM_ARRAY_TASK_ID/$SLICES",
+                                        "OVERRIDES": "$OVERRIDES extract.replicas=$REPLICAS"}]
     prepare, train = calls["train.sbatch"]
-    assert prepare == {"target": "prepare", "EXP": "$EXP"}  # the finalize, once, before training
-    assert train == {"target": "train", "EXP": "$EXP", "GPUS": "$GPUS_PER_NODE",
-                     "OVERRIDES": "train.nodes=$SLURM_NNODES train.rendezvous=$head:29500"}
+    # The finalize, once, before training; every step passes the same OVERRIDES (Make's stamps).
+    assert prepare == {"target": "prepare", "EXP": "$EXP", "OVERRIDES": "$OVERRIDES"}
+    assert train == {"target": "train", "EXP": "$EXP", "GPUS": "$TRAIN_PROCS", "OVERRIDES":
+                     "$OVERRIDES train.nodes=$SLURM_NNODES train.rendezvous=$address:$RENDEZVOUS_PORT"}
 
     extract, train_options = sbatch_options(scripts["extract.sbatch"]), sbatch_options(scripts["train.sbatch"])
-    assert "array" in extract and extract["nodes"] == "1"
+    assert extract["nodes"] == "1"
     assert train_options["ntasks-per-node"] == "1"  # one `make train` (one torchrun) per node
-    assert f"GPUS_PER_NODE={train_options['gpus-per-node']}" in scripts["train.sbatch"]
     assert "srun --nodes=1 --ntasks=1 -w \"$head\"" in scripts["train.sbatch"]
     for name in ("regenerate.sbatch", "extract.sbatch", "train.sbatch"):
-        assert "common.sh\"" in scripts[name] and '"${CONTAINER[@]}" make ' in scripts[name]
-    # submit.sh chains the three jobs, each after the previous one succeeded.
-    submitted = re.findall(r"sbatch --parsable (.*)", re.sub(r"\\\n\s*", " ", scripts["submit.sh"]))
+        # What differs between clusters comes from common.sh through submit.sh's options.
+        assert not {"gpus-per-node", "partition", "account", "array"} & set(sbatch_options(scripts[name]))
+        assert "common.sh\"" in scripts[name] and '"${RUNTIME[@]}" make ' in scripts[name]
+    # submit.sh chains the three jobs, each after the previous one succeeded, and a failed one
+    # cancels those after it.
+    submitted = re.findall(r"=\$\(sbatch (.*)\)$", scripts["submit.sh"], flags=re.M)
     assert [re.search(r"(\w+)\.sbatch", s)[1] for s in submitted] == ["regenerate", "extract", "train"]
-    assert "--dependency=\"afterok:$regenerate\"" in submitted[1] and "--array=" in submitted[1]
-    assert "--dependency=\"afterok:$extract\"" in submitted[2]
+    assert all(s.startswith('"${options[@]}"') for s in submitted)
+    assert "options=(--parsable --kill-on-invalid-dep=yes)" in scripts["submit.sh"]
+    assert '--array="$tasks"' in submitted[1] and '--nodes="$NODES"' in submitted[2]
     assert "/app/conf/experiment/$EXP.yaml" in scripts["common.sh"]
+
+
+def slurm_common(tmp_path: Path, **variables: str) -> subprocess.CompletedProcess:
+    """Source deploy/slurm/common.sh with ``variables``; print what it derived."""
+    script = ('source deploy/slurm/common.sh; echo "procs=$TRAIN_PROCS runtime=${RUNTIME[*]}"')
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **variables}
+    return subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_slurm_common_takes_the_flagship_defaults_and_refuses_what_no_cluster_runs(tmp_path):
+    pyxis = {"EXP": "x", "DRAFTLINE_IMAGE": "/s/gpu.sqsh", "DRAFTLINE_SHARED": "/s"}
+    done = slurm_common(tmp_path, **pyxis)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("procs=8 runtime=--container-image=/s/gpu.sqsh --container-workdir=/app ")
+    assert slurm_common(tmp_path, **pyxis, DRAFTLINE_STACK="cpu").stdout.startswith("procs=1 ")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".setup-cpu").touch()
+    host = slurm_common(tmp_path, EXP="x", DRAFTLINE_RUNTIME="none", DRAFTLINE_CHECKOUT=str(tmp_path),
+                        DRAFTLINE_STACK="cpu", GPUS_PER_NODE="0")
+    assert host.stdout == f"procs=1 runtime=--chdir={tmp_path}\n", host.stderr
+    refused = {
+        "EXP is unset": ({}, "EXP: set EXP to your experiment"),
+        "no image": ({"EXP": "x"}, "DRAFTLINE_IMAGE: set DRAFTLINE_IMAGE"),
+        "GPUs on the GPU stack": ({**pyxis, "GPUS_PER_NODE": "0"}, "GPUS_PER_NODE=0 trains on no GPU"),
+        "a stack": ({**pyxis, "DRAFTLINE_STACK": "tpu"}, "DRAFTLINE_STACK=tpu: give gpu or cpu"),
+        "a runtime": ({**pyxis, "DRAFTLINE_RUNTIME": "docker"}, "DRAFTLINE_RUNTIME=docker: give pyxis or none"),
+        "a count": ({**pyxis, "SLICES": "two"}, "SLICES=two must be a whole number"),
+        "no .venv": ({"EXP": "x", "DRAFTLINE_RUNTIME": "none", "DRAFTLINE_CHECKOUT": "/nonexistent"},
+                     "DRAFTLINE_CHECKOUT=/nonexistent has no .venv: run 'make setup' there first"),
+    }
+    for why, (variables, message) in refused.items():
+        done = slurm_common(tmp_path, **variables)
+        assert done.returncode != 0 and message in done.stderr, (why, done.stderr)
 
 
 def k8s_documents() -> dict[str, list[dict]]:
     return {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted((DEPLOY / "k8s").glob("*.yaml"))}
+
+
+# docs/scaling.md: the manifests assume Kubernetes 1.29 or later (backoffLimitPerIndex, on by
+# default since 1.29); checked against that release's API and the newest the validator ships.
+KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
+
+
+def test_k8s_manifests_match_the_kubernetes_api_schema():
+    """Every document of deploy/k8s against the API's JSON schema of each version in
+    KUBERNETES_VERSIONS, offline (kubernetes-validate ships the schemas), strict: a field the
+    API does not know (a misspelled key) is an error, as `kubectl apply` would make it."""
+    import kubernetes_validate
+
+    checked = []
+    for name, documents in k8s_documents().items():
+        for document in documents:
+            for version in KUBERNETES_VERSIONS:
+                used = kubernetes_validate.validate(document, version, strict=True)
+                assert used == version.rsplit(".", 1)[0], (name, version, used)  # no older fallback
+            checked.append(f"{name}: {document['kind']}")
+    assert len(checked) == 7, checked
+
+    misspelled = k8s_documents()["prepare-job.yaml"][0]
+    misspelled["spec"]["template"]["spec"]["containers"][0]["workdir"] = "/app"
+    with pytest.raises(kubernetes_validate.ValidationError, match="'workdir' was unexpected"):
+        kubernetes_validate.validate(misspelled, KUBERNETES_VERSIONS[0], strict=True)
 
 
 def container_of(job: dict) -> dict:
