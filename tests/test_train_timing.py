@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from draftline.train.timing import INPUT_BOUND_SHARE, StepClock, StepTime, distribution
 
@@ -83,3 +84,32 @@ def test_a_loader_that_never_primes_is_all_start_up():
     summary = clock.summary()
     assert summary["startup"]["steps"] == 3 and summary["steady"]["steps"] == 0
     assert summary["startup_seconds"] is None and summary["input_bound"] is None
+
+
+def test_the_benchmark_times_each_step_and_keeps_start_up_out_of_the_steady_rate(capsys):
+    """benchmarks.train's timed_steps goes through StepClock: per-step waits, start-up steps
+    out of the steady tokens/s; its table sets each disk run against resident and anchor."""
+    from benchmarks.train import Dims, RunResult, print_summary, timed_steps
+
+    dims = Dims(64, 224, 1, 1, 64, 512, 128, 1, 3)
+    batch = {"lengths": torch.tensor([60, 40]), "input_ids": torch.zeros(1, 100)}
+    loader = SlowLoader([0.0, 0.15, 0.0, 0.0, 0.0], prime_after=2)
+
+    def step(_batch):
+        time.sleep(0.01)
+        return {"loss": 1.0}
+
+    result = timed_steps("bf16 disk", step, "cpu", ({**batch} for _ in loader), dims,
+                         warmup=1, steps=4, primed=lambda: loader.primed_at)
+    assert len(result.wait_ms) == len(result.step_ms) == 4 and result.wait_ms[0] >= 150
+    assert result.tokens == 400 and result.steady_tokens == 300  # the first timed step: start-up
+    assert result.steady_tokens_per_second > result.tokens_per_second
+    assert result.summary()["wait_ms"]["max"] >= 150
+    resident = RunResult("bf16 resident", tokens=400, positions=400, seconds=0.04,
+                         step_ms=[10.0] * 4, wait_ms=[0.0] * 4)
+    anchor = RunResult("anchor (speculators)", tokens=200, positions=400, seconds=0.04,
+                       step_ms=[10.0] * 4, wait_ms=[0.0] * 4)
+    print_summary({"anchor (speculators)": anchor, "bf16 resident": resident,
+                   "bf16 disk": result}, compare=False)
+    out = capsys.readouterr().out
+    assert "bf16 disk / resident: tokens/s" in out and "bf16 resident / anchor tokens/s: 2.000" in out
