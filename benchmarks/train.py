@@ -7,6 +7,7 @@
     python -m benchmarks.train --results one.json                 # plain, one GPU: the baseline
     python -m benchmarks.train --gpus 2 --baseline one.json       # DDP on 2 GPUs, with the ratio
     python -m benchmarks.train --save-dtype float8_e4m3fn         # fp8 shards (issue 24)
+    python -m benchmarks.train --reference --loader-staging consumer,workers   # issue 33's table
 
 For each precision, the same training step (``draftline.train.loop.Session.step``: speculators'
 forward with TTT rollout and KL loss, backward, clip, AdamW, schedule) runs twice, each for
@@ -36,9 +37,20 @@ a float32 scale per token and slot); the loader moves those bytes and dequantize
 device, and the resident batches are held the same way and dequantized every step.  The
 loader's GB/s counts the bytes the shards store per position, whatever the dtype.
 
-Printed per run: tokens/s (real tokens, padding excluded), median step time (ms), peak
-memory (GiB: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU),
-achieved TFLOP/s, and the fill (real tokens / token budget).
+``--loader-staging consumer,workers`` reads from disk once per staging (``PackedLoader``'s
+``staging``: the training thread copies each batch to the GPU, as before issue 33, or the
+packing threads do), page cache dropped before each, with the same session: before and after
+in one process.  ``--reference`` adds the anchor: speculators 0.3.0's own step
+(``reference_run``) on resident batches in the same process.
+
+Printed per run: tokens/s (real tokens, padding excluded) over the timed steps and over
+the steady ones (timed steps whose batch was asked for after the loader first held its
+whole prefetch), median step time (ms), the wait for data per timed step (host ms between
+asking for the batch and holding it: p50/p90/max), the device's idle time before each
+step's first kernel (CUDA events: p50/p90/max), start-up (s from the warm-up's first request
+to the first full prefetch), peak memory (GiB: ``torch.cuda.max_memory_allocated`` on CUDA,
+the process's peak RSS on CPU), achieved TFLOP/s, and the fill (real tokens / token budget);
+then each disk run over its resident run and every run over the anchor.
 
 FLOPs per step (``step_flops``), matmuls only, 2 FLOPs per multiply-add; P positions per step
 (the token budget: the draft computes on padding too), H hidden, I intermediate, nh/nkv
@@ -94,6 +106,7 @@ what the loader alone read cold (2.76 GB/s) on that disk, so the disk, not DDP, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -104,26 +117,29 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import get_linear_schedule_with_warmup
 
 from draftline import formats
 from draftline.pipeline import launch
 from draftline.train.loader import (
     HIDDEN_KEYS,
     SCALE_KEYS,
+    STAGINGS,
     PackedLoader,
     dequantize_batch,
     ShardSampleDataset,
     make_sampler,
     plan_steps,
 )
-from draftline.train.draft import build_draft
-from draftline.train.loop import Session, make_session
+from draftline.train.draft import build_draft, set_attention
+from draftline.train.loop import GRAD_CLIP, Session, make_session
 from draftline.train.optimizer import optimizer_implementation
+from draftline.train.timing import StepClock, distribution
 
 NUM_AUX = 3
 SLOTS = NUM_AUX + 1
@@ -177,6 +193,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "device, in the resident batches too")
     add("--loader-threads", type=int, default=None, help="packing threads (default: auto)")
     add("--prefetch", type=int, default=None, help="batches packed ahead (default: auto)")
+    add("--loader-staging", default="workers", type=stagings,
+        help=f"comma-separated, of {','.join(STAGINGS)}: who copies a packed batch to the "
+             "GPU (workers: the packing threads; consumer: the training thread, the loader "
+             "before issue 33); one disk run each, in this order, in this process")
+    add("--reference", action="store_true",
+        help="also time speculators 0.3.0's own step (its Trainer's calls, its default "
+             "AdamW, bf16 autocast over float32 weights) on the resident batches: the anchor")
     add("--workdir", default=None, help="where shards and the verifier go (default: a temp "
                                         "dir, removed afterwards)")
     add("--seed", type=int, default=0, help="RNG seed")
@@ -191,6 +214,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--baseline", default=None,
         help="a --results file (e.g. one GPU) to print this run's tokens/s ratio against")
     return parser.parse_args(argv)
+
+
+def stagings(value: str) -> list[str]:
+    """``--loader-staging``'s comma-separated list, each one of STAGINGS, none twice."""
+    chosen = [v.strip() for v in value.split(",") if v.strip()]
+    if not chosen or len(set(chosen)) != len(chosen) or set(chosen) - set(STAGINGS):
+        raise argparse.ArgumentTypeError(f"expected distinct names of {STAGINGS}, got {value!r}")
+    return chosen
 
 
 def dims_from(args: argparse.Namespace) -> Dims:
@@ -413,6 +444,11 @@ class RunResult:
     loss: float = float("nan")
     rank: int | None = None  # None: one process, or the total over ranks
     samples: list[int] = dataclasses.field(default_factory=list)  # disk runs: dataset rows read
+    steady_tokens: int = 0  # timed steps after the loader's first full prefetch
+    steady_seconds: float = 0.0
+    startup_s: float | None = None  # loader: first request -> first full prefetch
+    wait_ms: list[float] = dataclasses.field(default_factory=list)  # per timed step, host
+    idle_ms: list[float] = dataclasses.field(default_factory=list)  # per timed step, CUDA only
 
     @property
     def tokens_per_second(self) -> float:
@@ -422,18 +458,42 @@ class RunResult:
     def positions_per_second(self) -> float:
         return self.positions / self.seconds
 
+    @property
+    def steady_tokens_per_second(self) -> float | None:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds else None
+
     def line(self) -> str:
         name = self.name if self.rank is None else f"{self.name} r{self.rank}"
-        return (f"{name:<18} {self.tokens_per_second:>11,.0f} tok/s  "
-                f"step {statistics.median(self.step_ms):>9.1f} ms  "
-                f"peak {self.peak_gib:>7.2f} GiB  {self.flops / self.seconds / 1e12:>8.2f} "
-                f"TFLOP/s  fill {self.tokens / self.positions:.3f}  loss {self.loss:.3f}")
+        steady = self.steady_tokens_per_second
+        startup = "-" if self.startup_s is None else f"{self.startup_s:.2f}"
+        return (f"{name:<26} {self.tokens_per_second:>9,.0f} "
+                f"{'-' if steady is None else f'{steady:,.0f}':>9} "
+                f"{statistics.median(self.step_ms):>7.1f} {_triple(self.wait_ms):>17} "
+                f"{_triple(self.idle_ms):>17} {startup:>6} {self.peak_gib:>6.2f} "
+                f"{self.flops / self.seconds / 1e12:>7.1f} {self.tokens / self.positions:.3f} "
+                f"{self.loss:.3f}")
 
     def summary(self) -> dict:
         return {"tokens_per_second": self.tokens_per_second,
+                "steady_tokens_per_second": self.steady_tokens_per_second,
+                "startup_s": self.startup_s,
                 "step_ms_median": statistics.median(self.step_ms), "peak_gib": self.peak_gib,
                 "tflops": self.flops / self.seconds / 1e12, "tokens": self.tokens,
-                "seconds": self.seconds, "loss": self.loss, "fill": self.tokens / self.positions}
+                "seconds": self.seconds, "loss": self.loss, "fill": self.tokens / self.positions,
+                "step_ms": distribution(self.step_ms), "wait_ms": distribution(self.wait_ms),
+                "idle_ms": distribution(self.idle_ms)}
+
+
+LINE_HEADER = (f"{'run':<26} {'tok/s':>9} {'steady':>9} {'step ms':>7} "
+               f"{'wait p50/p90/max':>17} {'idle p50/p90/max':>17} {'start':>6} {'GiB':>6} "
+               f"{'TFLOP/s':>7} fill  loss")
+
+
+def _triple(values: list[float]) -> str:
+    """p50/p90/max of per-step ms, or '-' where there are none."""
+    found = distribution(values)
+    return "-" if found is None else "/".join(
+        f"{found[k]:.1f}" for k in ("p50", "p90", "max"))
 
 
 def combine(ranks: list[RunResult]) -> RunResult:
@@ -445,35 +505,54 @@ def combine(ranks: list[RunResult]) -> RunResult:
     total.flops = sum(r.flops for r in ranks)
     total.seconds = max(r.seconds for r in ranks)
     total.step_ms = [max(times) for times in zip(*(r.step_ms for r in ranks))]
+    total.wait_ms = [max(times) for times in zip(*(r.wait_ms for r in ranks))]
+    total.idle_ms = [max(times) for times in zip(*(r.idle_ms for r in ranks))]
+    total.steady_tokens = sum(r.steady_tokens for r in ranks)
+    total.steady_seconds = max(r.steady_seconds for r in ranks)
+    startups = [r.startup_s for r in ranks if r.startup_s is not None]
+    total.startup_s = max(startups) if startups else None
     total.peak_gib = max(r.peak_gib for r in ranks)
     return total
 
 
-def timed_steps(name: str, session: Session, batches: Iterable[dict], dims: Dims,
-                warmup: int, steps: int) -> RunResult:
-    """Run warmup + steps; time the last ``steps`` (host clock around synchronized steps)."""
+def timed_steps(name: str, step: Callable[[dict], dict], device: str, batches: Iterable[dict],
+                dims: Dims, warmup: int, steps: int,
+                primed: Callable[[], float | None] | None = None) -> RunResult:
+    """Run warmup + steps; time the last ``steps`` (host clock around synchronized steps).
+
+    Every step goes through ``StepClock`` (the training loop's timing), so start-up, which
+    begins with the warm-up's first batch, ends where ``primed`` says the loader first held
+    its whole prefetch; timed steps from then on are the steady state.
+    """
     result = RunResult(name)
-    device = session.device
-    batches = iter(batches)
+    clock = StepClock(device, primed)
+    batches = clock.timed(batches)
     for _ in range(warmup):
-        session.step(next(batches))
+        step(next(batches))
+        clock.step_done()
     synchronize(device)
     reset_peak(device)
     for _ in range(steps):
-        start = time.perf_counter()
         batch = next(batches)  # waiting for the loader counts: that is the point
         lengths = batch["lengths"].tolist()
         positions = batch["input_ids"].shape[-1]
-        metrics = session.step(batch)  # .item() on its metrics synchronizes
+        metrics = step(batch)  # .item() on its metrics synchronizes
         synchronize(device)
-        elapsed = time.perf_counter() - start
-        result.seconds += elapsed
-        result.step_ms.append(elapsed * 1e3)
+        timing = clock.step_done()
+        result.seconds += timing.step_ms / 1e3
+        result.step_ms.append(timing.step_ms)
+        result.wait_ms.append(timing.wait_ms)
+        if timing.idle_ms is not None:
+            result.idle_ms.append(timing.idle_ms)
+        if not timing.startup:
+            result.steady_tokens += sum(lengths)
+            result.steady_seconds += timing.step_ms / 1e3
         result.tokens += sum(lengths)
         result.positions += positions
         result.flops += step_flops(dims, positions, lengths)
         result.loss = metrics["loss"]
     result.peak_gib = peak_gib(device)
+    result.startup_s = clock.startup_seconds()
     return result
 
 
@@ -530,14 +609,15 @@ def fused_optimizer(args: argparse.Namespace) -> bool | None:
 
 
 def disk_loader(args: argparse.Namespace, inputs: Inputs, session: Session, steps: int,
-                tokens: int) -> tuple[PackedLoader, list[int]]:
+                tokens: int, staging: str) -> tuple[PackedLoader, list[int]]:
     """This rank's loader over its share of the shards, and the dataset rows it will read."""
     dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     world = session.world
     sampler = make_sampler(dataset.lengths, tokens, args.seed, world.rank, world.world_size)
     batches = [batch for _, batch in plan_steps(sampler, 0, steps)]
     loader = PackedLoader(dataset, batches, tokens, session.device,
-                          session.precision.input_dtype, args.loader_threads, args.prefetch)
+                          session.precision.input_dtype, args.loader_threads, args.prefetch,
+                          staging)
     return loader, [int(row) for batch in batches for row in batch]
 
 
@@ -554,19 +634,80 @@ def run_precision(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: 
                 for b in resident_batches(dims, tokens, mean, device, 2, generator)]
     cycle = dequantized((resident[i % len(resident)] for i in range(args.warmup + args.steps)),
                         session.precision.input_dtype)
-    results = [timed_steps(f"{name} resident", session, cycle, dims, args.warmup, args.steps)]
+    results = [timed_steps(f"{name} resident", session.step, device, cycle, dims,
+                           args.warmup, args.steps)]
     del resident, cycle
-    if world.is_main:
-        drop_page_cache(inputs.shards)
-    loader, samples = disk_loader(args, inputs, session, args.warmup + args.steps, tokens)
-    results.append(timed_steps(f"{name} disk", session, loader, dims, args.warmup,
-                               args.steps))
-    results[-1].samples = samples
+    for staging in args.loader_staging:
+        if world.is_main:
+            drop_page_cache(inputs.shards)
+        loader, samples = disk_loader(args, inputs, session, args.warmup + args.steps, tokens,
+                                      staging)
+        results.append(timed_steps(disk_name(name, staging, args), session.step, device,
+                                   loader, dims, args.warmup, args.steps,
+                                   lambda: loader.primed_at))
+        results[-1].samples = samples
     del session
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return results
+
+
+def disk_name(precision: str, staging: str, args: argparse.Namespace) -> str:
+    """``bf16 disk``, or with several stagings asked for ``bf16 disk (consumer)`` etc."""
+    return (f"{precision} disk" if len(args.loader_staging) == 1
+            else f"{precision} disk ({staging})")
+
+
+def reference_run(args: argparse.Namespace, dims: Dims, inputs: Inputs,
+                  device: str) -> RunResult:
+    """The anchor: speculators 0.3.0's own training step on resident batches.
+
+    What ``speculators.train.trainer.Trainer.train_epoch`` does per batch (``.to`` the
+    device, forward, ``zero_grad``, backward, clip 1.0, ``AdamW(model.named_parameters())``
+    with torch's default kernel, linear schedule, ``.item()`` per metric), with the forward
+    under bf16 autocast over float32 weights and hidden states in float32 as its collate
+    hands them over.  The draft is the same ``build_draft`` with speculators' compiled flex
+    attention; on CPU, where inductor fails on it, eager with the dense kernel.
+    """
+    torch.compiler.reset()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        model = build_draft(inputs.verifier, [2, 16, 29], inputs.d2t, inputs.t2d, dims.layers,
+                            num_speculative_tokens=dims.ttt)
+    model.to(device).train()
+    cuda = device.startswith("cuda")
+    if not cuda:
+        set_attention(model, "sdpa")
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-4)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, args.warmup + args.steps + 1)
+
+    def step(batch: dict) -> dict:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with (contextlib.nullcontext() if cuda else torch.compiler.set_stance("force_eager")), \
+                torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            _draft_tokens, loss, metrics = model(**batch, ttt_steps=dims.ttt,
+                                                 ttt_step_loss_decay=1.0)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        scheduler.step()
+        return {k: v.item() for k, v in metrics.items()}
+
+    tokens = args.tokens_per_step
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    resident = [{k: v.float() if k in HIDDEN_KEYS else v for k, v in batch.items()}
+                for batch in resident_batches(dims, tokens, args.sample_len or max(2, tokens // 8),
+                                              device, 2, generator)]
+    cycle = (resident[i % len(resident)] for i in range(args.warmup + args.steps))
+    result = timed_steps("anchor (speculators)", step, device, cycle, dims, args.warmup,
+                         args.steps)
+    del model, optimizer, resident
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
 
 
 def prepare_inputs(args: argparse.Namespace, dims: Dims, workdir: Path, world: launch.World) -> None:
@@ -601,16 +742,17 @@ def measure_disk(args: argparse.Namespace, inputs: Inputs, device: str) -> None:
     dataset = ShardSampleDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN))
     sampler = make_sampler(dataset.lengths, args.tokens_per_step, args.seed)
     batches = [batch for _, batch in plan_steps(sampler, 0, args.warmup + args.steps)]
-    loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,
-                          args.loader_threads, args.prefetch)
     stored = SLOTS * formats.stored_bytes_per_slot(args.save_dtype, dataset.hidden_size)
-    for cache in ("cold", "warm"):  # warm: the cold pass left the shards in memory
-        if cache == "cold":
-            drop_page_cache(inputs.shards)
-        rate, tokens = loader_alone(loader, device, stored)
-        print(f"loader alone ({cache} cache, to {device}, {loader.threads} threads, prefetch "
-              f"{loader.prefetch}): {rate:.2f} GB/s of hidden states, {tokens:,.0f} tok/s",
-              flush=True)
+    for staging in args.loader_staging:
+        loader = PackedLoader(dataset, batches, args.tokens_per_step, device, None,
+                              args.loader_threads, args.prefetch, staging)
+        for cache in ("cold", "warm"):  # warm: the cold pass left the shards in memory
+            if cache == "cold":
+                drop_page_cache(inputs.shards)
+            rate, tokens = loader_alone(loader, device, stored)
+            print(f"loader alone ({cache} cache, to {device}, staging {staging}, "
+                  f"{loader.threads} threads, prefetch {loader.prefetch}): {rate:.2f} GB/s of "
+                  f"hidden states, {tokens:,.0f} tok/s", flush=True)
 
 
 # --------------------------------------------------------------------------- processes
@@ -664,6 +806,8 @@ def gather(result: RunResult, world: launch.World) -> list[RunResult]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.reference and args.gpus is not None:
+        raise ValueError("--reference times speculators' single-process step: leave out --gpus")
     if args.gpus is not None and not launch.under_torchrun():
         sys.exit(launch_ranks(args, argv))
     world = this_world(args)
@@ -701,6 +845,8 @@ def run_all(args: argparse.Namespace, world: launch.World, ddp: bool, device: st
         if not ddp:
             measure_disk(args, inputs, device)
         per_rank: dict[str, list[RunResult]] = {}
+        if args.reference:
+            per_rank["anchor (speculators)"] = [reference_run(args, dims, inputs, device)]
         for precision in precisions:
             for result in run_precision(args, dims, inputs, device, precision, world, ddp):
                 ranks = gather(result, world)
@@ -741,22 +887,32 @@ def report(args: argparse.Namespace, dims: Dims, device: str, world: launch.Worl
 
 
 def print_summary(results: dict[str, RunResult], compare: bool, processes: int = 1) -> None:
+    """The runs' lines (tokens/s over all timed steps and over the steady ones; per-step wait
+    for data and device idle, ms; start-up s), then disk / resident and run / anchor."""
     label = "run" if processes == 1 else f"all {processes} ranks"
-    print(f"\n{label:<18} tokens/s (real)   step (median)   peak memory   achieved       "
-          "fill  last loss")
+    print("\n" + LINE_HEADER.replace("run ", f"{label} ", 1)[:len(LINE_HEADER)])
     for result in results.values():
         print(result.line())
     if compare:
-        for source in ("resident", "disk"):
+        for source in ("resident", *(n.split(" ", 1)[1] for n in results
+                                     if n.startswith("bf16 disk"))):
             bf16, fp32 = results[f"bf16 {source}"], results[f"fp32 {source}"]
             print(f"bf16 / fp32 tokens/s, {source}: "
                   f"{bf16.tokens_per_second / fp32.tokens_per_second:.2f}x")
-    for name in ("bf16", "fp32"):
-        if f"{name} disk" in results:
-            # Per position, so that the disk run's looser packing does not count against it.
-            disk, resident = results[f"{name} disk"], results[f"{name} resident"]
-            print(f"{name}: step rate from disk / resident: "
-                  f"{disk.positions_per_second / resident.positions_per_second:.2f}")
+    for name, disk in results.items():
+        resident = results.get(f"{name.split(' ', 1)[0]} resident")
+        if " disk" not in name or resident is None:
+            continue
+        steady = disk.steady_tokens_per_second
+        # Per position too, so that the disk run's looser packing does not count against it.
+        print(f"{name} / resident: tokens/s {disk.tokens_per_second / resident.tokens_per_second:.3f}"
+              f", steady {'-' if steady is None else f'{steady / resident.tokens_per_second:.3f}'}"
+              f", step rate {disk.positions_per_second / resident.positions_per_second:.3f}")
+    anchor = results.get("anchor (speculators)")
+    for name, result in results.items():
+        if anchor is not None and result is not anchor:
+            print(f"{name} / anchor tokens/s: "
+                  f"{result.tokens_per_second / anchor.tokens_per_second:.3f}")
 
 
 def print_ratios(record: dict, baseline: dict) -> None:

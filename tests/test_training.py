@@ -11,6 +11,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,43 @@ def test_packed_loader_on_cuda_matches_reference(data):
         _assert_same_batch({k: v.cpu() for k, v in fast.items()}, slow)
 
 
+def test_the_loader_says_when_its_first_prefetch_was_full(data):
+    """``primed_at``: start-up ends once the first ``prefetch`` batches are ready."""
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
+    loader = PackedLoader(dataset, _planned(dataset, MAX_TOKENS), MAX_TOKENS, threads=2,
+                          prefetch=3)
+    before = time.perf_counter()
+    batches = iter(loader)
+    assert loader.primed_at is None  # nothing packed before the first request
+    next(batches)
+    deadline = time.monotonic() + 10
+    while loader.primed_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the other two batches finish on their threads
+    assert loader.primed_at is not None and loader.primed_at > before
+    batches.close()
+
+
+def test_an_unknown_staging_is_refused(data):
+    dataset = ShardSampleDataset(data["shards"], load_split(data["small"], formats.TRAIN))
+    with pytest.raises(ValueError, match="staging must be one of"):
+        PackedLoader(dataset, [], MAX_TOKENS, staging="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staging", ["workers", "consumer"])
+def test_both_stagings_on_cuda_match_the_reference_several_batches_ahead(data, staging):
+    """Batches staged by the packing threads (or by the consumer, the earlier way) with
+    several waiting on the GPU: the reference's batches, in plan order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dataset = ShardSampleDataset(data["shards"], load_split(data["full"], formats.TRAIN))
+    batches = _planned(dataset, 96)
+    packed = PackedLoader(dataset, batches, 96, "cuda", torch.float32, threads=3, prefetch=3,
+                          staging=staging)
+    for fast, slow in zip(packed, make_loader(dataset, batches, 96), strict=True):
+        _assert_same_batch({k: v.cpu() for k, v in fast.items()}, slow)
+
+
 @pytest.fixture(scope="module")
 def fp8_shards(data, tmp_path_factory):
     """The fixture's shards with fp8 hidden states and their scales, as extract writes them."""
@@ -397,6 +435,19 @@ def test_a_run_records_the_optimizer_that_ran_and_its_step_planner(uninterrupted
     assert result["packing"] == PACKING
     state = json.loads((latest_checkpoint(out) / "state.json").read_text())
     assert state["optimizer"] == "fused" and state["spec"]["packing"] == PACKING
+
+
+def test_a_run_reports_its_wait_for_data_per_step(uninterrupted):
+    """Every step is timed, start-up apart from the steady state; the manifest takes it."""
+    _, result = uninterrupted
+    timing = result["timing"]
+    assert timing["startup"]["steps"] + timing["steady"]["steps"] == result["steps"] == 10
+    steady = timing["steady"]
+    assert steady["steps"] >= 1  # packing inline on CPU: primed at the first batch
+    assert 0 <= steady["wait_ms"]["p50"] <= steady["wait_ms"]["p90"] <= steady["wait_ms"]["max"]
+    assert steady["wait_ms"]["max"] <= steady["step_ms"]["max"]
+    assert steady["idle_ms"] is None and isinstance(timing["input_bound"], bool)
+    json.dumps(timing)
 
 
 def test_resume_is_bit_identical(data, uninterrupted, tmp_path):

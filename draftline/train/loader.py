@@ -19,8 +19,12 @@ Two ways to load the same batches:
   memory-mapped and read through zero-copy views (``MappedShard``); each planned batch is
   packed by background threads straight from the page cache into a reusable, pinned
   [1, max_tokens, ...] buffer in the shards' own dtype (one CPU copy per byte, bf16 stays
-  bf16); the next batch is copied to the GPU on a side stream while the current step runs
-  (non_blocking, one batch ahead), and hidden states are cast to the compute dtype there.
+  bf16); on CUDA the thread that packed a batch also copies it to the GPU on a side stream
+  and casts it there (``staging="workers"``), so the training thread only waits on the
+  batch's event.  ``staging="consumer"`` is the earlier way (kept to time both in one
+  process): the training thread copies batch i+1 while batch i is in use, which makes it wait
+  for batch i+1's packing and for the copy's pageable ``lengths`` (a stream sync) before it
+  gets batch i.
 
 fp8 shards (``formats.HIDDEN_SCALES`` beside float8_e4m3fn hidden states) travel as stored:
 one byte per value plus a float32 scale per token and slot, packed into the batch's
@@ -37,7 +41,9 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +62,7 @@ __all__ = [
     "ShardSampleDataset",
     "PackedLoader",
     "default_loader_threads",
+    "STAGINGS",
     "fit_lengths",
     "make_sampler",
     "epoch_batches",
@@ -82,6 +89,9 @@ RAW_DTYPES = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 # a cold disk (its plain sequential read: 1.8-2.1 GB/s), 22 GB/s from the page cache, against
 # ~2 GB/s consumed at 65k tokens/s; more would only add pinned buffers.
 MAX_DEFAULT_THREADS = 4
+# Who copies a packed batch to the GPU: the packing thread (workers) or the thread that
+# trains (consumer, the loader before issue 33).  The same on CPU, where nothing is copied.
+STAGINGS = ("workers", "consumer")
 
 
 # --------------------------------------------------------------------------- shards
@@ -477,10 +487,16 @@ class PackedLoader:
 
     Yields speculators' batch dicts ([1, max_tokens, ...] plus ``lengths``) in plan order,
     identical to ``make_loader``'s except that hidden states arrive in ``hidden_dtype``
-    (None: the stored dtype; float32 for fp8 shards), cast (fp8: dequantized) on the device.  ``threads`` background threads
-    (None: ``default_loader_threads``) pack up to ``prefetch`` batches ahead into a ring of
-    ``prefetch + 2`` reusable buffers (pinned on CUDA); on CUDA the next batch is already
-    being copied on a side stream while the current one is in use.
+    (None: the stored dtype; float32 for fp8 shards), cast (fp8: dequantized) on the device.
+    ``threads`` background threads (None: ``default_loader_threads``) pack up to ``prefetch``
+    batches ahead into a ring of ``prefetch + 2`` reusable buffers (pinned on CUDA).  On
+    CUDA, ``staging`` (``STAGINGS``) says who copies a packed batch to the GPU: ``workers``,
+    the thread that packed it (side stream, then the cast there; up to ``prefetch`` batches
+    wait on the GPU), or ``consumer``, the thread iterating (one batch ahead).
+
+    ``primed_at``: the ``time.perf_counter()`` at which the first ``prefetch`` batches were
+    all ready (packed, and staged where the workers stage), i.e. the end of the start-up;
+    None until then.
 
     Contract: on CPU a yielded batch may be a view of a ring buffer and is valid until the
     next one is requested (the training loop never keeps one longer).  On CUDA every batch
@@ -490,7 +506,9 @@ class PackedLoader:
     def __init__(self, dataset: ShardSampleDataset, batches: Sequence[np.ndarray],
                  max_tokens: int, device: str | torch.device = "cpu",
                  hidden_dtype: torch.dtype | None = None, threads: int | None = None,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None, staging: str = "workers"):
+        if staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}, got {staging!r}")
         self.dataset = dataset
         self.batches = [np.asarray(b).tolist() for b in batches]
         self.max_tokens = max_tokens
@@ -498,6 +516,8 @@ class PackedLoader:
         self.hidden_dtype = hidden_dtype
         self.threads = default_loader_threads(str(self.device)) if threads is None else threads
         self.prefetch = max(1, self.threads + 1 if prefetch is None else prefetch)
+        self.staging = staging
+        self.primed_at: float | None = None
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -509,7 +529,9 @@ class PackedLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if not self.batches:
             return iter(())
-        return self._staged() if self._cuda else self._on_host()
+        if not self._cuda:
+            return self._on_host()
+        return self._staged_by_workers() if self.staging == "workers" else self._staged()
 
     def _new_slots(self) -> list[_Slot]:
         hidden = self.dataset.hidden_size
@@ -533,8 +555,9 @@ class PackedLoader:
             fit_lengths(lengths, self.max_tokens), dtype=torch.long)}
         return slot
 
-    def _filled_slots(self) -> Iterator[_Slot]:
-        """Filled slots in plan order, ``prefetch`` batches packing ahead.
+    def _filled_slots(self, finish: Callable[[_Slot], object] | None = None) -> Iterator:
+        """Filled slots in plan order, ``prefetch`` batches packing ahead; with ``finish``,
+        what ``finish(slot)`` returned for each, run on the packing thread after the fill.
 
         Batch i goes into slot i % (prefetch + 2) and is submitted when the consumer comes
         back after batch i - prefetch, so the slot's previous batch (i - prefetch - 2) is
@@ -546,6 +569,10 @@ class PackedLoader:
         pending: collections.deque = collections.deque()
         planned = iter(enumerate(self.batches))
 
+        def work(slot: _Slot, indices: list[int]):
+            filled = self._fill(slot, indices)
+            return filled if finish is None else finish(filled)
+
         def submit() -> None:
             item = next(planned, None)
             if item is None:
@@ -553,16 +580,31 @@ class PackedLoader:
             number, indices = item
             for index in indices:
                 self.dataset.will_need(index)  # start disk reads now, ahead of the copy
-            pending.append(executor.submit(self._fill, slots[number % len(slots)], indices))
+            pending.append(executor.submit(work, slots[number % len(slots)], indices))
 
+        self.primed_at = None
         try:
             for _ in range(self.prefetch):
                 submit()
+            self._watch_priming(list(pending))
             while pending:
                 yield pending.popleft().result()
                 submit()
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
+
+    def _watch_priming(self, futures: list[concurrent.futures.Future]) -> None:
+        """Set ``primed_at`` when the last of the first batches is ready (on its thread)."""
+        left, lock = [len(futures)], threading.Lock()
+
+        def done(_future: concurrent.futures.Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.primed_at = time.perf_counter()
+
+        for future in futures:
+            future.add_done_callback(done)
 
     def _cast(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if SCALE_KEYS[0] in batch:
@@ -594,6 +636,37 @@ class PackedLoader:
         finally:
             slots.close()
 
+    def _staged_by_workers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Each packing thread copies and casts its own batch on the side stream; this
+        thread waits only on the event of the batch it asked for."""
+        stream = torch.cuda.Stream(self.device)
+
+        def stage_and_cast(slot: _Slot) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+            with torch.cuda.device(self.device):  # a packing thread has no current device
+                batch, ready = self._stage(slot, stream)
+                with torch.cuda.stream(stream):
+                    # Cast where the batch landed, off the compute stream; the event is
+                    # re-recorded after the cast so the consumer waits for it too.
+                    batch = self._cast(batch)
+                    ready.record(stream)
+            return batch, ready
+
+        staged = self._filled_slots(stage_and_cast)
+        try:
+            for batch, ready in staged:
+                yield self._receive(batch, ready)
+        finally:
+            staged.close()
+
+    def _receive(self, batch: dict[str, torch.Tensor],
+                 ready: torch.cuda.Event) -> dict[str, torch.Tensor]:
+        """A batch staged on the side stream, safe to use on the current stream."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        for tensor in batch.values():
+            tensor.record_stream(current)  # its memory is not reused while compute reads it
+        return batch
+
     def _stage(self, slot: _Slot, stream: torch.cuda.Stream
                ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
         # Allocated on the side stream, so the allocator cannot hand out memory that
@@ -607,8 +680,4 @@ class PackedLoader:
 
     def _consume(self, batch: dict[str, torch.Tensor],
                  ready: torch.cuda.Event) -> dict[str, torch.Tensor]:
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(ready)
-        for tensor in batch.values():
-            tensor.record_stream(current)
-        return self._cast(batch)
+        return self._cast(self._receive(batch, ready))

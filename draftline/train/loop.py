@@ -69,6 +69,7 @@ from draftline.train.loader import (
 )
 from draftline.train.optimizer import adamw, optimizer_implementation
 from draftline.train.packing import PACKING, StepPlanner
+from draftline.train.timing import StepClock
 from draftline.train.draft import (
     Eagle3DraftModel,
     Precision,
@@ -295,17 +296,21 @@ class _LoaderSettings:
 
 def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path,
           spec: dict, start: int, stop: int, checkpoint_every: int,
-          keep_checkpoints: int | None, loading: _LoaderSettings) -> tuple[list[dict], Progress]:
-    """Run the planned steps; return per-step metrics and their progress (the rates)."""
+          keep_checkpoints: int | None, loading: _LoaderSettings
+          ) -> tuple[list[dict], Progress, dict]:
+    """Run the planned steps; return per-step metrics, their progress (the rates) and their
+    timing (``_timing``)."""
     total = spec["total_steps"]
     max_tokens = rank_tokens(spec["max_tokens_per_step"], session.world)
     loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
     # A line per step: each carries that step's loss.
     progress, history = Progress("train", total, start, unit="steps", interval=0.0, logger=log), []
+    clock = StepClock(session.device, lambda: loader.primed_at)
     log.info("training steps %d..%d of %d on %s", start + 1, stop, total, session.device)
-    for step, ((epoch, _), batch) in enumerate(zip(plan, loader), start=start + 1):
+    for step, ((epoch, _), batch) in enumerate(zip(plan, clock.timed(loader)), start=start + 1):
         lr = session.optimizer.param_groups[0]["lr"]
         history.append(session.step(batch))
+        clock.step_done()
         # Logged rate: this rank's tokens times the ranks (ranks pack about equal shares).
         tokens = int(batch["lengths"].sum()) * session.world.world_size
         progress.advance_to(step, tokens, _step_detail(history[-1], lr, session.ttt_steps))
@@ -315,7 +320,21 @@ def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path
                      "optimizer": session.optimizer_implementation}
             save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
                             session.scheduler, state, keep_checkpoints)
-    return history, progress
+    return history, progress, _timing(clock)
+
+
+def _timing(clock: StepClock) -> dict:
+    """The steps' wait-for-data distribution (``draftline.train.timing``), logged as a
+    warning when the steady state was input-bound."""
+    timing = clock.summary()
+    if timing["input_bound"]:
+        steady = timing["steady"]
+        log.warning("training was input-bound: %.1f%% of the steady state's step time waiting "
+                    "for data (wait per step p50 %.1f, p90 %.1f, max %.1f ms); more "
+                    "train.loader_threads or train.prefetch_batches may help",
+                    100 * steady["wait_ms"]["total"] / steady["step_ms"]["total"],
+                    steady["wait_ms"]["p50"], steady["wait_ms"]["p90"], steady["wait_ms"]["max"])
+    return timing
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -400,7 +419,9 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
     ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
     ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one),
-    ``optimizer`` (AdamW's implementation: fused, foreach or for-loop), ``packing`` (the planner).
+    ``optimizer`` (AdamW's implementation: fused, foreach or for-loop), ``packing`` (the planner),
+    ``timing`` (this call's wait for data per step: start-up and steady-state p50/p90/max,
+    ``input_bound``; ``draftline.train.timing.StepClock.summary``).
     """
     out = Path(out_dir)
     numerics = resolve_precision(precision, device)
@@ -425,9 +446,11 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
                                     device)
     loading = _LoaderSettings(loader_threads, prefetch_batches)
     stop = total if stop_after is None else max(start, min(total, stop_after))
-    history, progress = _loop(session, train_set, plan_steps(sampler, start, stop), out, spec,
-                              start, stop, checkpoint_every, keep_checkpoints, loading)
-    result = {**_summary(history, progress, start, stop, total, last), "precision": numerics.name,
+    history, progress, timing = _loop(session, train_set, plan_steps(sampler, start, stop), out,
+                                      spec, start, stop, checkpoint_every, keep_checkpoints,
+                                      loading)
+    result = {**_summary(history, progress, start, stop, total, last), "timing": timing,
+              "precision": numerics.name,
               "world_size": world.world_size, "packing": PACKING,
               "optimizer": {"name": "AdamW", "implementation": session.optimizer_implementation}}
     if stop < total:
