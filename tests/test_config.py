@@ -73,12 +73,14 @@ def test_launch_keys_change_no_stamp_and_are_recorded_apart():
     stamp moves, so `make` retrains nothing; the values are still at hand for the manifest."""
     base = compose("tiny")
     launched = compose("tiny", "train.gpus=8", "train.nodes=2", "train.rendezvous=host:29500",
-                       "train.collective_timeout_s=60")
+                       "train.collective_timeout_s=60", "extract.writer=driver")
     assert [s for s in config.STAGES if config.stage_config(base, s) != config.stage_config(launched, s)] == []
     assert "gpus" not in config.stage_config(launched, "train")["train"]
     assert config.launch_config(launched, "train") == {"train": {
         "gpus": 8, "nodes": 2, "rendezvous": "host:29500", "collective_timeout_s": 60}}
-    assert config.launch_config(launched, "extract") == {"extract": {"replicas": 1, "shard": None}}
+    # Who writes the shards (the engine's rank 0 or this process) changes no byte of them.
+    assert config.launch_config(launched, "extract") == {"extract": {"replicas": 1, "shard": None,
+                                                                     "writer": "driver"}}
 
 
 def _conf_copy(tmp_path: Path, local: str | None) -> Path:
