@@ -11,6 +11,12 @@ from draftline import formats, target
 
 NUM_BUFFERS = 2  # rank 0's shard buffers: one fills while the writer thread writes the other
 
+# Who writes the shards: the engine's rank 0, beside the forward (patches/speculators/0008),
+# or this process after every byte crossed vLLM's RPC (the path before draftline issue 30,
+# kept to hold the two to the same bytes and to measure one against the other).
+RANK0, DRIVER = "rank0", "driver"
+WRITERS = (RANK0, DRIVER)
+
 
 def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> target.TargetShape:
     """Config, target and devices against each other. ``replicas``: the engines this process
@@ -34,13 +40,6 @@ def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> 
         if cfg.extract.writer == RANK0:
             check_host_memory(cfg, shape.hidden_size, replicas)
     return shape
-
-
-# Who writes the shards: the engine's rank 0, beside the forward (patches/speculators/0008),
-# or this process after every byte crossed vLLM's RPC (the path before draftline issue 30,
-# kept to hold the two to the same bytes and to measure one against the other).
-RANK0, DRIVER = "rank0", "driver"
-WRITERS = (RANK0, DRIVER)
 
 
 def check_devices(tensor_parallel_size: int, replicas: int = 1) -> None:
