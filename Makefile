@@ -137,16 +137,16 @@ lock-drift: | $(UV) ## Re-resolve the locks as of LOCK_DATE and show what the in
 
 # ---- your own target --------------------------------------------------------------------
 # conf/model/<name>.yaml and conf/experiment/<name>.yaml from MODEL's config.json, the paths into
-# the untracked conf/local.yaml (draftline/pipeline/init.py); name: EXP when given on the command
+# the untracked conf/local.yaml (draftline/cli/init.py); name: EXP when given on the command
 # line, else MODEL's directory name. No stamps: the experiment does not exist until this writes it.
 .PHONY: init
 init: $(VENV)/.setup-$(STACK) ## Write the config of your own target: make init MODEL=<dir> DATA=<file> [EXP=<name>]
 	@[ -n "$(MODEL)" ] && [ -n "$(DATA)" ] || { echo "usage: make init MODEL=<model dir> DATA=<conversations> [EXP=<name>]" >&2; exit 2; }
-	$(PY) -m draftline.pipeline.init $(MODEL) $(DATA) $(if $(filter file,$(origin EXP)),,--name $(EXP))
+	$(PY) -m draftline.cli.init $(MODEL) $(DATA) $(if $(filter file,$(origin EXP)),,--name $(EXP))
 
 # ---- pipeline ---------------------------------------------------------------------------
 # Each stage's manifest is its Make target, written last and atomically by the stage. Its
-# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.pipeline.status
+# prerequisites: the upstream manifest and the stage's two stamps, which `draftline.cli.status
 # stamp` rewrites only when their content changes: config.json (its resolved config) and
 # deps.json (what its last run imported, as it is now: project code, package versions, patch
 # queues, Python; see draftline/pipeline/deps.py). No code lists by hand: the run records its own.
@@ -172,18 +172,18 @@ $(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) co
 
 # The experiment's other inputs, what its composed config names: the tiny random target of its
 # model config (build: tiny_llama, ...) and the embedded conversation set, built deterministically
-# when missing (draftline.pipeline.status assets). Which ones is the config's answer, so the
+# when missing (draftline.cli.status assets). Which ones is the config's answer, so the
 # rule asks it every time and records it in $(RUN)/.assets-cache.json, rewritten only when the
 # config or the code changed. A dry run prints this recipe and runs nothing.
 EXP_ASSETS := $(RUN)/.assets-cache.json
 $(EXP_ASSETS): FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.pipeline.status assets $(EXP) -- $(OVERRIDES)
+	$(PY) -m draftline.cli.status assets $(EXP) -- $(OVERRIDES)
 
 # `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would
 # rerun; it writes only under runs/$(EXP)/ and builds nothing. The inputs come first
 # (order-only: rebuilding an asset reruns no stage by itself; its path and config do).
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) | $(EXP_ASSETS)
-	+$(PY) -m draftline.pipeline.status stamp $(EXP) -- $(OVERRIDES)
+	+$(PY) -m draftline.cli.status stamp $(EXP) -- $(OVERRIDES)
 
 # Every stage is `python -m stages.<stage>`, rerun when one of its stamps changed ...
 $(MANIFESTS): $(RUN)/%/manifest.json: $(RUN)/%/config.json $(RUN)/%/deps.json
@@ -209,12 +209,12 @@ LOADS_TARGET := regenerate extract extract-slice prepare train evaluate report a
 COMPOSES := tokenize rehearse status accept $(LOADS_TARGET)
 REHEARSED :=
 ifneq ($(and $(wildcard $(PY)),$(filter $(COMPOSES) $(RUN)/%,$(MAKECMDGOALS))),)
-REHEARSED := $(shell $(PY) -m draftline.pipeline.status gate $(EXP) -- $(OVERRIDES))
+REHEARSED := $(shell $(PY) -m draftline.cli.status gate $(EXP) -- $(OVERRIDES))
 ifeq ($(.SHELLSTATUS),2)
-# The gate printed the mistake, message and hint, as its one line (draftline.pipeline.status main).
+# The gate printed the mistake, message and hint, as its one line (draftline.cli.status main).
 $(error $(REHEARSED))
 else ifneq ($(.SHELLSTATUS),0)
-$(error `draftline.pipeline.status gate $(EXP)` failed (above): cannot tell whether to rehearse first)
+$(error `draftline.cli.status gate $(EXP)` failed (above): cannot tell whether to rehearse first)
 endif
 endif
 ifneq ($(strip $(REHEARSED)),)
@@ -251,11 +251,11 @@ serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm se
 
 .PHONY: status accept
 status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
-	@$(PY) -m draftline.pipeline.status show $(RUN) --exp $(EXP)
+	@$(PY) -m draftline.cli.status show $(RUN) --exp $(EXP)
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }
-	$(PY) -m draftline.pipeline.status accept $(RUN) $(STAGE)
+	$(PY) -m draftline.cli.status accept $(RUN) $(STAGE)
 
 comma := ,
 empty :=
@@ -270,10 +270,10 @@ smoke: setup ## Whole pipeline on the embedded trained tiny target (CPU), tau ga
 
 .PHONY: reproduce
 # Replays FROM's stages with the configs their manifests recorded, then compares outputs
-# stage by stage (draftline/reproduce.py); refuses another revision, lock or patch queue.
+# stage by stage (draftline/cli/reproduce.py); refuses another revision, lock or patch queue.
 reproduce: setup ## Replay FROM=<run dir> into runs/<exp>-reproduce/ and compare stage by stage (FORCE=1 despite other revision/locks/patches)
 	@[ -n "$(FROM)" ] || { echo "usage: make reproduce FROM=<run dir> [FORCE=1]" >&2; exit 2; }
-	$(PY) -m draftline.reproduce $(FROM) $(if $(filter 1,$(FORCE)),--force)
+	$(PY) -m draftline.cli.reproduce $(FROM) $(if $(filter 1,$(FORCE)),--force)
 
 # ---- images -----------------------------------------------------------------------------
 # One multi-stage Dockerfile, targets gpu and cpu (see its header). The docker client must

@@ -84,7 +84,7 @@ def run_all(root: Path, seeds: list[int]) -> None:
         subprocess.run([sys.executable, "-m", "draftline.tiny.trained", f"experiment={EXP}"],
                        check=True)
     # The embedded conversations, as `make` builds them before any stage.
-    subprocess.run([sys.executable, "-m", "draftline.pipeline.status", "assets", EXP, "--"],
+    subprocess.run([sys.executable, "-m", "draftline.cli.status", "assets", EXP, "--"],
                    check=True)
     bf16, fp8 = (root / d for d in DTYPES)
     for name in BASE_STAGES:

@@ -41,7 +41,7 @@ def heldout_prompts(run_dir: Path, limit: int | None) -> tuple[list[list[int]], 
     """Every held-out reply's prompt (the tokens before it) and its length."""
     from draftline import formats
     from draftline.pipeline import artifacts
-    from draftline.regenerate import reply_spans
+    from draftline.regenerate.greedy import reply_spans
 
     prepared = artifacts.read_manifest(run_dir / "prepare")
     rows = formats.load_split(run_dir / "prepare" / prepared["index"], formats.VALIDATION)
@@ -62,7 +62,9 @@ def main() -> None:
     args = parse_args()
     from dataclasses import replace
 
-    from draftline import engine, regenerate, serve
+    from draftline import engine
+    from draftline.regenerate import greedy
+    from draftline.serve import jobs
     from draftline.evaluate import speedup
     from draftline.evaluate.rollout import num_speculative_tokens
     from draftline.pipeline import artifacts, config
@@ -74,13 +76,13 @@ def main() -> None:
     k = num_speculative_tokens(draft)
     prompts, lengths = heldout_prompts(run_dir, args.max_prompts)
     options = replace(engine.engine_options(cfg, cfg.evaluate.vllm), max_num_seqs=args.max_num_seqs)
-    stops = regenerate.stop_token_ids(cfg.model.path)
+    stops = greedy.stop_token_ids(cfg.model.path)
     print(f"{len(prompts)} held-out prompts, {sum(lengths)} reply tokens at most; draft {draft}, k={k}")
 
     runs: dict[str, list[dict]] = {"target alone": [], "with draft": []}
     for repeat in range(args.repeats):
         for name, with_draft in (("target alone", False), ("with draft", True)):
-            result = serve.generate_timed(options, draft if with_draft else None,
+            result = jobs.generate_timed(options, draft if with_draft else None,
                                             k if with_draft else None, prompts, lengths, stops)
             result["tokens_out"] = sum(len(t) for t in result["tokens"])
             runs[name].append(result)

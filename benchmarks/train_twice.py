@@ -62,7 +62,7 @@ def one(exp: str, overrides: list[str], out: Path) -> dict:
 
 def _train(loop, cfg, prepare_dir: Path, prepared: dict, extract: dict, out: Path) -> dict:
     from draftline.pipeline import launch
-    from stages.train import auto_or, vocab_path
+    from draftline.train.run import auto_or, vocab_path
 
     return loop.train(
         prepared["shards"], prepare_dir / prepared["index"], vocab_path(cfg), str(cfg.model.path),
@@ -112,7 +112,7 @@ def compare(label: str, first: Path, second: Path) -> None:
     """Per tensor max abs difference (and the tensor's largest magnitude), then a verdict."""
     from safetensors.torch import load_file
 
-    from draftline import reproduce
+    from draftline.cli import reproduce
 
     print(f"{label}:")
     a, b = load_file(str(first)), load_file(str(second))

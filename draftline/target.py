@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from draftline.pipeline.artifacts import read_json, sha256_file, write_json
-from draftline.pipeline.config import UserConfigError, UserError
+from draftline.errors import UserConfigError, UserError
 
 # The files through which transformers and vLLM find a directory's own classes.
 CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
@@ -67,7 +67,7 @@ class Family:
     model_type: str     # config.json's (the wrapper's, for a multimodal model)
     architecture: str   # vLLM's class (SupportsEagle3)
     public_model: str   # one public checkpoint of the family
-    miniature: bool     # the rehearsal builds its miniature (draftline.tiny.miniature)
+    miniature: bool     # the rehearsal builds its miniature (draftline.rehearse.miniature)
 
 
 FAMILIES = {f.model_type: f for f in (

@@ -8,7 +8,7 @@ rerun of the rehearsal never makes their outputs stale). In order, each check lo
 PASS/FAIL and its seconds, the first failure ending the stage non-zero with its traceback:
 
   cost           the bytes extract will write, free disk where they go, the time at a known rate
-  miniature      built from model.path's config.json and tokenizer (draftline/tiny/miniature.py)
+  miniature      built from model.path's config.json and tokenizer (draftline/rehearse/miniature.py)
   extraction     a few samples through extract's path, each slot against transformers
   speculative    the draft in vLLM (evaluate's measurement), greedy = the plain engine's
   serve          `vllm serve` of miniature + draft answers one completion

@@ -7,94 +7,15 @@ Run as a module: a script named tokenize.py would shadow the standard library's 
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from draftline.formats import write_flat_samples
-from draftline.pipeline import config
 from draftline.pipeline.stage import refuse_mistakes, run_stage
-from draftline.tiny import embedded
-from draftline.tokenize import vocab
-from draftline.tokenize.conversations import check_roles
-from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
-from draftline.tokenize.sources import open_source
+from draftline.tokenize.run import run
 
 log = logging.getLogger("draftline.tokenize")
-# apply_chat_template arguments tokenize passes itself (tools come from each record)
-RENDER_ARGUMENTS = {"tools", "tokenize", "add_generation_prompt", "continue_final_message"}
-
-
-def target_vocab_size(model_dir: str) -> int:
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(model_config.get("text_config", model_config)["vocab_size"])
-
-
-def run(cfg: DictConfig) -> dict:
-    out_dir = config.stage_dir(cfg, "tokenize")
-    data, settings = cfg.data, cfg.tokenize
-    # Everything that can be wrong with the config is checked before the first record.
-    if data.build:  # the embedded set is read only from its own place, never a user's path
-        embedded.check_data_path(data.path, cfg.assets_dir)
-    budget = Budget(settings.max_skipped)
-    if not isinstance(settings.chat_template_kwargs, DictConfig):
-        raise ValueError(f"tokenize.chat_template_kwargs must be a mapping of template arguments, "
-                         f"got {settings.chat_template_kwargs!r}")
-    taken = RENDER_ARGUMENTS & set(settings.chat_template_kwargs)
-    if taken:  # tokenize sets these itself for every render
-        raise ValueError(f"tokenize.chat_template_kwargs may not set {sorted(taken)}")
-    roles = check_roles(OmegaConf.to_container(data.roles))
-    workers = default_workers() if settings.workers is None else int(settings.workers)
-    source = open_source(data.path, split=str(data.split))
-    tokenizer = load_tokenizer(str(cfg.model.path), bool(cfg.model.trust_remote_code))
-    # t2d must match the target's embedding rows (config vocab_size), which can exceed
-    # len(tokenizer) when the embedding is padded.
-    target_vocab = target_vocab_size(str(cfg.model.path))
-    if len(tokenizer) > target_vocab:
-        raise ValueError(f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}")
-    draft_vocab = int(settings.draft_vocab_size)
-    if draft_vocab > target_vocab:
-        raise ValueError(f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}")
-
-    log.info("tokenizing %s (%s) with %d worker(s)", data.path, source.kind, workers)
-    result = tokenize_source(
-        source, model_dir=str(cfg.model.path), trust_remote_code=bool(cfg.model.trust_remote_code),
-        seq_length=int(settings.seq_length), roles=roles,
-        field=None if data.field is None else str(data.field),
-        max_samples=None if data.max_samples is None else int(data.max_samples),
-        shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget,
-        template=OmegaConf.to_container(settings.chat_template_kwargs))
-    write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets,
-                       result.tool_results)
-    ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
-    freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", [ids], [mask], target_vocab, draft_vocab)
-    tally = result.tally
-    log.info("%d records -> %d samples from %d conversations, %d skipped%s",
-             tally.num_records, len(result.offsets) - 1, tally.num_conversations, tally.num_skipped,
-             f":\n{tally.table()}" if tally.num_skipped else "")
-    if tally.dropped_exchanges:
-        log.info("%d exchanges dropped from %d kept conversations (prompt alone fills seq_length), "
-                 "e.g. %s", tally.dropped_exchanges, tally.dropped_exchange_conversations,
-                 tally.dropped_exchange_examples[0])
-    log.info("%d tokens (%d masked), %.1f%% of assistant tokens kept, draft vocab covers %.1f%% of "
-             "masked tokens", len(ids), int(mask.sum()), 100 * tally.manifest()["assistant_tokens_kept_fraction"],
-             100 * vocab.coverage(freq, t2d))
-    return {
-        "samples": "samples.safetensors",
-        "vocab": "vocab.safetensors",
-        "num_samples": len(result.offsets) - 1,
-        "num_tokens": len(ids),
-        "num_masked_tokens": int(mask.sum()),
-        **tally.manifest(),
-        "target_vocab_size": target_vocab,
-        "draft_vocab_size": draft_vocab,
-        "draft_vocab_coverage": vocab.coverage(freq, t2d),
-        "inputs": {"data": str(data.path), **source.fingerprint()},
-    }
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

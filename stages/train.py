@@ -20,107 +20,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from draftline.pipeline import artifacts, config, launch
+from draftline.pipeline import config, launch
 from draftline.pipeline.stage import refuse_mistakes, run_stage
+from draftline.train.run import link_draft, run, run_other_rank
 
 log = logging.getLogger("draftline.train")
-
-
-def auto_or(value, kind: type):
-    """``auto`` (or null) -> None, which lets training size it; else the value as ``kind``."""
-    return None if value is None or str(value) == "auto" else kind(value)
-
-
-def vocab_path(cfg: DictConfig) -> Path:
-    """d2t/t2d of the data that was extracted (regenerate's manifest names the file)."""
-    regenerate_dir = config.stage_dir(cfg, "regenerate")
-    return regenerate_dir / artifacts.read_manifest(regenerate_dir)["vocab"]
-
-
-def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
-    """One folder per (config, data): checkpoints resume only into the run that made them,
-    and switching a key back resumes the earlier run instead of discarding it. The data is
-    named by content (the split index, the shards' recorded sha256, the vocab mapping), never
-    by the run dir or a manifest (its hosts and wall times): the same run in another run dir,
-    on another machine or in a `make reproduce` replay gets the same key. The step planner's
-    name is in it too: another planner means other batches, so a fresh run, not a resume."""
-    from draftline.train.packing import PACKING  # numpy only: cheap where status calls this
-
-    train_cfg = config.stage_config(cfg, "train")  # without the launch keys (config.LAUNCH_KEYS)
-    del train_cfg["run_dir"]
-    prepared = artifacts.read_manifest(prepare_dir)
-    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    return artifacts.config_hash({
-        "train": train_cfg,
-        "index": artifacts.sha256_file(prepare_dir / prepared["index"]),
-        "shards": [shard["sha256"] for shard in extract["shards"]],
-        "vocab": artifacts.sha256_file(vocab_path(cfg)),
-        "packing": PACKING,
-    })[:12]
-
-
-def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
-    from draftline.train import loop
-
-    prepare_dir = config.stage_dir(cfg, "prepare")
-    prepared = artifacts.read_manifest(prepare_dir)
-    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    out_dir = config.stage_dir(cfg, "train") / run_key(cfg, prepare_dir)
-    device = launch.rank_device(str(cfg.train.device), world)
-    if world.distributed:
-        launch.init_process_group(device, float(cfg.train.collective_timeout_s))
-    try:
-        result = loop.train(
-            prepared["shards"], prepare_dir / prepared["index"],
-            vocab_path(cfg),
-            str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
-            steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
-            max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.train.seed),
-            device=device, num_layers=int(cfg.train.num_layers),
-            checkpoint_every=int(cfg.train.checkpoint_every),
-            precision=str(cfg.train.get("precision", "auto")),
-            compile=auto_or(cfg.train.get("compile", "auto"), bool),
-            loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
-            prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
-            fused_optimizer=auto_or(cfg.train.get("fused_optimizer", "auto"), bool),
-            world=world,
-        )
-    finally:
-        launch.destroy_process_group()
-    if not result["completed"]:
-        raise RuntimeError(f"training stopped at step {result['steps']} of {result['total_steps']}")
-    return {
-        "draft": str(result["draft_dir"]),
-        "aux_layer_ids": list(extract["aux_layer_ids"]),
-        "metrics": {k: v for k, v in result.items() if k not in ("draft_dir", "skipped")},
-        "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST)},
-        # e.g. the draft's vLLM parse where vLLM is not installed (training hosts need not
-        # have it): said where a reader of the manifest looks.
-        "skipped": result["skipped"],
-    }
-
-
-def link_draft(cfg: DictConfig) -> Path:
-    """``<run_dir>/draft``: a relative link to the draft the train manifest names, swapped in
-    atomically (written after the manifest, so it never points at a draft of a failed run)."""
-    draft = artifacts.read_manifest(config.stage_dir(cfg, "train"))["draft"]
-    return artifacts.point_link(Path(cfg.run_dir) / "draft", draft)
-
-
-def run_other_rank(cfg: DictConfig, world: launch.World) -> None:
-    """A rank other than 0: the same work, no stamp or manifest; a failure exits non-zero
-    with its traceback (torchrun then ends the other ranks)."""
-    try:
-        run(cfg, world)
-    except BaseException:
-        log.exception("train rank %d of %d failed", world.rank, world.world_size)
-        sys.exit(1)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

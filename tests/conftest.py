@@ -1,8 +1,38 @@
-"""Shared test helpers."""
+"""Shared test plumbing: the repository's path, a copy of it, the project's config as a stage
+sees it, and one tiny Llama target for the whole session (read-only: a test that changes a
+target copies it first)."""
 
 import contextlib
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_repo(dst: Path) -> Path:
+    """The files git would commit (tracked, and untracked but not ignored) copied to ``dst``
+    with their mtimes, so the copy's `make setup` stays up to date."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        source = REPO / name
+        if source.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dst / name)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama target (draftline.tiny.targets), built once per session."""
+    from draftline.tiny import targets
+
+    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 @contextlib.contextmanager
@@ -26,7 +56,6 @@ def compose(exp: str = "tiny", *overrides: str):
     from draftline.pipeline import config
 
     return config.compose(config.experiment_overrides(exp, list(overrides)))
-
 
 
 def require_cuda() -> None:

@@ -1,4 +1,4 @@
-"""The engine's other branches on vLLM's CPU engine (benchmarks/branches.py): TP=2, bf16 and
+"""The engine's other branches on vLLM's CPU engine (harness/branches.py): TP=2, bf16 and
 compiled, for the tiny Llama, DeepseekV3 and Kimi-K2.5 targets, held to the tolerances the
 benchmark states and argues.
 

@@ -23,7 +23,8 @@ from draftline.tokenize.chat import (
     tokenize_conversation,
 )
 from draftline.tiny.embedded import write_conversations
-from draftline.tokenize.conversations import DataError, load_conversations
+from draftline.errors import DataError
+from draftline.tokenize.conversations import load_conversations
 
 END = targets.END
 CONVERSATION = [

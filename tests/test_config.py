@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from draftline import errors
 from draftline.pipeline import artifacts, config
 
 from conftest import compose
@@ -31,7 +32,7 @@ def test_kimi_uses_vllm_default_layer_ids():
 
 
 def test_unknown_experiment_is_named():
-    with pytest.raises(config.UserConfigError, match="^EXP=nope: there is no conf/experiment/nope.yaml$") as refused:
+    with pytest.raises(errors.UserConfigError, match="^EXP=nope: there is no conf/experiment/nope.yaml$") as refused:
         config.experiment_overrides("nope", [])
     assert refused.value.hint == f"known: {', '.join(EXPERIMENTS)}"
 

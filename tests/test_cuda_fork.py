@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = sorted(f"{p.parent.name}.{p.stem}" for folder in ("stages", "benchmarks")
+from conftest import REPO
+
+ENTRY_POINTS = sorted(f"{p.parent.name}.{p.stem}" for folder in ("stages", "benchmarks", "harness")
                       for p in (REPO / folder).glob("*.py") if p.stem != "__init__")
 SPY = """
 import json, os, sys

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from draftline.pipeline import artifacts, deps, status
+from draftline.cli import status
+from draftline.pipeline import artifacts, deps
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 
 
 def test_closure_follows_imports_lazy_ones_too():

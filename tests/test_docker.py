@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 LINES = DOCKERFILE.splitlines()
 

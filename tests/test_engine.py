@@ -8,12 +8,6 @@ import pytest
 from conftest import compose
 
 from draftline import engine
-from draftline.tiny import targets
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 def _options(model_dir, *overrides, section="extract"):

@@ -22,14 +22,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline import formats, regenerate
+from draftline import errors, formats
 from draftline.engine import EngineOptions
 from draftline.evaluate import in_vllm, offline, rollout, stats
-from draftline.tiny.drafts import overfit_draft
-from stages.evaluate import check_features, gate_failures, judge, versus_best_baseline
-from conftest import compose
+from draftline.evaluate.gate import failures as gate_failures, judge, versus_best_baseline
+from draftline.evaluate.run import check_features
+from draftline.regenerate import greedy
+from draftline.train import vllm_parse
+from harness.drafts import overfit_draft
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, compose
+
 GATE = REPO / "tests/assets/tau_gate.json"
 
 
@@ -592,13 +595,13 @@ def decoded(pair, tmp_path_factory):
     speculative decoding of the prompts with that draft."""
     from transformers import AutoModelForCausalLM
 
-    from draftline import serve
+    from draftline.serve import jobs
 
     target_dir, _ = pair
     options = EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
-    stops = regenerate.stop_token_ids(target_dir)
+    stops = greedy.stop_token_ids(target_dir)
     prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
-    replies = serve.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
+    replies = jobs.generate_timed(options, None, None, prompts, [24] * 6, stops)["tokens"]
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies, strict=True)]
     draft_dir = overfit_draft(target_dir, target, sequences, [1, 2, 3],
@@ -611,7 +614,7 @@ def decoded(pair, tmp_path_factory):
             mask = torch.zeros(len(tokens), dtype=torch.bool)
             mask[len(prompt):] = True
             samples[ids].append(offline.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), greedy))
-    measured = serve.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
+    measured = jobs.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
     return samples, measured, rollout.DraftRunner(rollout.load_draft(draft_dir, target_dir))
 
 
@@ -649,7 +652,7 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     assert result["diverging_replies"] > 0 and not result["agrees"]
     # The stage turns that verdict into its failure (on the target's own replies, as here).
     from draftline.pipeline import config
-    from stages.evaluate import vllm_failures
+    from draftline.evaluate.run import vllm_failures
 
     cfg = compose("tiny")
     failures = vllm_failures(cfg, {**result, "on_target_text": True})
@@ -662,10 +665,10 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
 
 
 def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine():
-    """stages.evaluate.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
+    """draftline.evaluate.run.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
     the stage's failure, in the default tier (the engine tier checks it on a real decode)."""
     from draftline.pipeline import config
-    from stages.evaluate import vllm_failures
+    from draftline.evaluate.run import vllm_failures
 
     cfg = compose("tiny")
     good = {"on_target_text": True, "replies": 6, "text_mismatches": 0, "mismatched": [], "agrees": True,
@@ -708,11 +711,11 @@ def test_vllm_parses_and_loads_every_saved_tensor(pair):
 def test_what_vllm_reads_must_be_what_the_draft_was_built_with():
     seen = {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
             "draft_vocab_size": 64}
-    assert in_vllm.check_reading(seen, (1, 2, 3), 64, "d") == seen
+    assert vllm_parse.check_reading(seen, (1, 2, 3), 64, "d") == seen
     for field, other in (("architectures", ["LlamaForCausalLM"]),
                          ("eagle_aux_hidden_state_layer_ids", [3, 2, 1]), ("draft_vocab_size", 65)):
         with pytest.raises(ValueError) as caught:
-            in_vllm.check_reading({**seen, field: other}, [1, 2, 3], 64, "runs/x/draft")
+            vllm_parse.check_reading({**seen, field: other}, [1, 2, 3], 64, "runs/x/draft")
         assert str(caught.value) == (f"vLLM reads runs/x/draft as {({**seen, field: other})}, "
                                      f"expected {seen}")
 
@@ -876,9 +879,9 @@ def test_the_baseline_gate_is_off_only_with_a_reason():
     off = ["experiment=tiny-kimi"]  # a random target: its draft loses to bigram, said in its experiment
     assert "bigram" in config.compose(off).evaluate.baseline_gate.off_because
     config.check(config.compose(off))
-    with pytest.raises(config.UserConfigError, match="needs evaluate.baseline_gate.off_because"):
+    with pytest.raises(errors.UserConfigError, match="needs evaluate.baseline_gate.off_because"):
         config.check(config.compose([*off, "evaluate.baseline_gate.off_because=null"]))
-    with pytest.raises(config.UserConfigError, match="is not true or false"):
+    with pytest.raises(errors.UserConfigError, match="is not true or false"):
         config.check(config.compose(["experiment=tiny", "evaluate.baseline_gate.enabled=sometimes"]))
     for name in ("llama-3.1-8b", "qwen3-8b", "kimi-k2.5", "tiny-trained", "tiny"):  # on by default
         assert config.compose([f"experiment={name}"]).evaluate.baseline_gate.enabled is True

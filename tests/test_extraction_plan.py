@@ -20,8 +20,7 @@ import torch
 
 from draftline import formats, target
 from draftline.extract import shards
-from draftline.pipeline import artifacts, config
-from draftline.tiny import targets
+from draftline.pipeline import artifacts
 from draftline.extract import plan as extract_plan
 from draftline.extract import preflight as extract_preflight
 from draftline.extract import run as extract_run
@@ -63,11 +62,6 @@ def test_a_batch_that_fills_the_budget_exactly_closes_it():
 
 
 # --------------------------------------------------------------------------- preflight
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 def tiny_cfg(model_dir: Path, *overrides: str):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from draftline import target
-from draftline.pipeline.init import aux_layer_ids
-from draftline.tiny import miniature
+from draftline.cli.init import aux_layer_ids
+from draftline.rehearse import miniature
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # weightless directory -> model_type; each a public model's config.json (its README.md says where from)

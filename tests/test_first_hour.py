@@ -2,7 +2,7 @@
 
 Through the commands users run: `make tokenize ...` (Make stops at its parse, in the one line
 `$(error)` prints) and a stage run by hand (`python -m stages.tokenize ...`, the two lines
-config.refuse prints before @hydra.main composes). In a copy of the repository: no conf/local.yaml
+errors.refuse prints before @hydra.main composes). In a copy of the repository: no conf/local.yaml
 (it is untracked), so no value of this machine's fills what the test leaves unset.
 """
 
@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from test_pipeline import _copy_repo
+from conftest import REPO, copy_repo
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPED = REPO / "tests/assets/kimi-k2.5-shaped"  # a model directory that exists
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    return _copy_repo(tmp_path_factory.mktemp("first-hour") / "repo")
+    return copy_repo(tmp_path_factory.mktemp("first-hour") / "repo")
 
 
 @pytest.fixture()
@@ -65,7 +64,7 @@ def test_a_misspelled_key_is_refused_with_the_nearest_one_with_or_without_a_plus
         assert stage(repo, "experiment=tiny", override) == [
             f"draftline: {override}: train.lrr is no config key", "hint: did you mean train.lr?"]
     # `+` still adds to a map whose keys are the user's: no refusal, the stage gets past its config.
-    result = subprocess.run([sys.executable, "-m", "draftline.pipeline.status", "stamp", "tiny", "--",
+    result = subprocess.run([sys.executable, "-m", "draftline.cli.status", "stamp", "tiny", "--",
                              "+data.roles.narrator=assistant"], cwd=repo, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -1,4 +1,4 @@
-"""`make init` (draftline.pipeline.init) in a copy of conf/: a tiny Llama directory built here and
+"""`make init` (draftline.cli.init) in a copy of conf/: a tiny Llama directory built here and
 the Kimi-K2.5-shaped one in tests/assets become a model and an experiment config that compose,
 with the machine's paths only in conf/local.yaml; every refusal is one line, exit 2, and writes
 nothing."""
@@ -13,10 +13,12 @@ import pytest
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
-from draftline.pipeline import config, init
-from draftline.pipeline.config import UserConfigError
+from draftline.cli import init
+from draftline.pipeline import config
+from draftline.errors import UserConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 KIMI = REPO / "tests/assets/kimi-k2.5-shaped"
 CHAT = {"conversations": [{"from": "human", "value": "What does a draft model do?"},
                           {"from": "gpt", "value": "It proposes tokens that the target verifies."}]}
@@ -85,7 +87,7 @@ def test_an_existing_config_is_refused_and_nothing_is_written(tiny, data, conf):
             init.init(str(tiny), str(data), name, conf_dir=conf)
     assert written(conf) == {"experiment/mine.yaml"}
     # From the command line: the message and its hint, exit 2, no traceback.
-    cli = subprocess.run([sys.executable, "-m", "draftline.pipeline.init", str(tiny), str(data), "--name", "mine",
+    cli = subprocess.run([sys.executable, "-m", "draftline.cli.init", str(tiny), str(data), "--name", "mine",
                           "--conf-dir", str(conf)], capture_output=True, text=True, cwd=REPO)
     assert cli.returncode == 2 and cli.stdout == ""
     assert cli.stderr.splitlines() == [f"draftline: {conf}/experiment/mine.yaml exists: init never overwrites a config",
@@ -164,7 +166,7 @@ def test_a_family_vllm_does_not_serve_with_eagle3_is_refused_with_the_tables_pat
     mixtral = shutil.copytree(tiny, tmp_path / "mixtral")
     cfg = json.loads((mixtral / "config.json").read_text())
     (mixtral / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
-    cli = subprocess.run([sys.executable, "-m", "draftline.pipeline.init", str(mixtral), str(data),
+    cli = subprocess.run([sys.executable, "-m", "draftline.cli.init", str(mixtral), str(data),
                           "--conf-dir", str(conf)], capture_output=True, text=True, cwd=REPO)
     assert cli.returncode == 2 and written(conf) == set()
     assert cli.stderr.splitlines() == [

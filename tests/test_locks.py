@@ -2,9 +2,9 @@
 
 import shutil
 import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 
 
 def lock_check(*args: str) -> subprocess.CompletedProcess:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from test_pipeline import _copy_repo
+from conftest import REPO, copy_repo
 
-REPO = Path(__file__).resolve().parents[1]
 USER_DATA = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
 
 
@@ -41,7 +40,7 @@ def dry_run(repo: Path, target: str, overrides: str) -> subprocess.CompletedProc
 
 @pytest.fixture()
 def repo(tmp_path):
-    return _copy_repo(tmp_path / "repo")
+    return copy_repo(tmp_path / "repo")
 
 
 def test_the_public_targets_are_the_ones_help_lists():
@@ -91,7 +90,7 @@ def test_a_built_tiny_target_at_a_users_path_is_refused(repo, tmp_path):
 
 
 def test_a_big_target_makes_extract_wait_for_the_rehearsal_and_a_small_one_does_not(repo, tmp_path):
-    """Decided when Make parses (draftline.pipeline.status gate): the rehearsal joins the dry
+    """Decided when Make parses (draftline.cli.status gate): the rehearsal joins the dry
     run before extract only when the target's weight files exceed rehearse.min_target_gb."""
     shaped = REPO / "tests/assets/kimi-k2.5-shaped"
     big = tmp_path / "big"

@@ -4,9 +4,9 @@ into a pipe."""
 import os
 import re
 import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 
 
 def test_help_lists_every_variable_with_its_default_and_every_experiment_without_colour():

@@ -11,7 +11,8 @@ import pytest
 
 from draftline.patchq import RECORD_NAME
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 PATCHES = sorted((REPO / "patches" / "speculators").glob("*.diff"))
 WORKER = "speculators/data_generation/custom_worker.py"
 

@@ -13,7 +13,7 @@ import pytest
 
 from draftline import patchq
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO
 WORKER = "speculators/data_generation/custom_worker.py"
 GEN = "speculators/data_generation/generator.py"
 NEWFILE = "speculators/data_generation/extra/helpers.py"
@@ -242,7 +242,7 @@ def test_interrupted_apply_needs_replace(site: Path, tmp_path: Path) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "draftline.patchq", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "draftline.patchq", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -18,23 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, copy_repo
+
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
 STAGES = ("tokenize", "regenerate", "extract", "prepare", "train")
 # Small enough for a few minutes on 2 cores: ~25 conversations, a handful of train steps.
 BASE = "data.max_bytes=20000 extract.shard_tokens=1024 extract.token_budget=1024 train.steps=4 train.checkpoint_every=2"
-
-
-def _copy_repo(dst: Path) -> Path:
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()
-    for name in listed:
-        source = REPO / name
-        if source.is_file():
-            (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dst / name)  # keep mtimes: setup stays up to date
-    return dst
 
 
 def make(repo: Path, *targets: str, extra: str = "") -> tuple[list[str], str]:
@@ -61,7 +51,7 @@ def shard_hashes(repo: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    repo = _copy_repo(tmp_path_factory.mktemp("pipeline"))
+    repo = copy_repo(tmp_path_factory.mktemp("pipeline"))
     ran, _ = make(repo, "all")
     assert ran == list(STAGES)
     return repo
@@ -267,7 +257,7 @@ def test_a_module_every_stage_imports_makes_every_stage_stale(repo):
 
 
 def _reproduce(repo: Path, from_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "draftline.reproduce", str(from_dir), *extra],
+    return subprocess.run([sys.executable, "-m", "draftline.cli.reproduce", str(from_dir), *extra],
                           cwd=repo, capture_output=True, text=True)
 
 

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from draftline import formats
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 
 
 def save_shard(path: Path, hidden, ids, mask, offsets, sample_ids) -> None:
@@ -31,8 +32,8 @@ def write_shard(path: Path, *, nan: bool = False, empty_sample: bool = False) ->
 
 
 def validate_optimized(path: Path) -> subprocess.CompletedProcess:
-    """draftline.prepare.validate_shard in a `python -O` interpreter (asserts stripped)."""
-    code = ("import sys; from pathlib import Path; from draftline.prepare import validate_shard; "
+    """draftline.prepare.split.validate_shard in a `python -O` interpreter (asserts stripped)."""
+    code = ("import sys; from pathlib import Path; from draftline.prepare.split import validate_shard; "
             "print(validate_shard(Path(sys.argv[1]), 2, 4))")
     return subprocess.run([sys.executable, "-O", "-c", code, str(path)], cwd=REPO,
                           capture_output=True, text=True)
@@ -56,7 +57,7 @@ def test_bad_shards_are_refused_under_python_O(tmp_path, broken, message):
 
 
 def test_validation_reads_each_row_length_and_masked_count(tmp_path):
-    from draftline.prepare import validate_shard
+    from draftline.prepare.split import validate_shard
 
     path = write_shard(tmp_path / "good.safetensors")
     assert validate_shard(path, 2, 4) == [(0, 0, 3, 3), (1, 1, 2, 2)]
@@ -71,7 +72,7 @@ def test_validation_reads_each_row_length_and_masked_count(tmp_path):
 def test_fp8_shards_are_validated_through_their_values_and_scales(tmp_path):
     from safetensors.torch import save_file
 
-    from draftline.prepare import validate_shard
+    from draftline.prepare.split import validate_shard
 
     values, scales = formats.quantize_fp8(torch.randn(5, 2, 4))
 
@@ -100,7 +101,7 @@ def test_fp8_shards_are_validated_through_their_values_and_scales(tmp_path):
 
 
 def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
-    from draftline.prepare import validate_shard
+    from draftline.prepare.split import validate_shard
 
     path = tmp_path / "short.safetensors"
     save_shard(path, torch.zeros(5, 2, 4), torch.arange(5), torch.ones(5, dtype=torch.uint8),
@@ -116,7 +117,7 @@ def test_offsets_that_do_not_cover_the_tokens_are_refused(tmp_path):
 def test_a_one_token_sample_is_valid_and_an_empty_split_is_an_integer_table(tmp_path):
     from safetensors.torch import load_file
 
-    from draftline.prepare import validate_shard, write_index
+    from draftline.prepare.split import validate_shard, write_index
 
     path = tmp_path / "one.safetensors"
     save_shard(path, torch.zeros(3, 2, 4), torch.arange(3), torch.ones(3, dtype=torch.uint8),
@@ -134,7 +135,7 @@ def rows(n: int, masked=lambda i: 1) -> list[tuple[int, int, int, int, int]]:
 
 
 def test_the_split_is_by_sample_deterministic_disjoint_and_near_the_fraction():
-    from draftline.prepare import is_validation, split_rows
+    from draftline.prepare.split import is_validation, split_rows
 
     train, validation = split_rows(rows(2000), 0.1, seed=7, min_validation=1)
     assert split_rows(rows(2000), 0.1, seed=7, min_validation=1) == (train, validation)
@@ -150,7 +151,7 @@ def test_the_split_is_by_sample_deterministic_disjoint_and_near_the_fraction():
 
 
 def test_the_coin_is_the_samples_hash_below_the_fraction():
-    from draftline.prepare import is_validation
+    from draftline.prepare.split import is_validation
 
     assert not any(is_validation(i, 0.0, 0) for i in range(100))
     assert all(is_validation(i, 1.0, 0) for i in range(100))
@@ -162,7 +163,7 @@ def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
     the rows' order (the lowest-hash fallback is only for fewer)."""
     import hashlib
 
-    from draftline.prepare import split_rows
+    from draftline.prepare.split import split_rows
 
     def coin(seed, i):
         return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64
@@ -177,7 +178,7 @@ def test_a_split_that_meets_min_validation_by_the_coin_keeps_the_rows_order():
 
 
 def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
-    from draftline.prepare import split_rows
+    from draftline.prepare.split import split_rows
 
     train, validation = split_rows(rows(5), 0.0, seed=0, min_validation=2)
     assert len(validation) == 2 and len(train) == 3
@@ -190,7 +191,7 @@ def test_tiny_runs_get_min_validation_samples_and_keep_the_rest_for_training():
 def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
     import hashlib
 
-    from draftline.prepare import split_rows
+    from draftline.prepare.split import split_rows
 
     many = rows(15)  # rows 0..9 of shard 0, then rows 0..4 of shard 1: row != sample id
     _, validation = split_rows(many, 0.0, seed=4, min_validation=3)
@@ -201,7 +202,7 @@ def test_tiny_runs_take_the_lowest_hash_samples_by_sample_id():
 
 
 def test_samples_without_masked_tokens_are_dropped_from_both_splits():
-    from draftline.prepare import split_rows
+    from draftline.prepare.split import split_rows
 
     train, validation = split_rows(rows(50, masked=lambda i: int(i % 5 != 0)), 0.2, seed=1, min_validation=1)
     kept = {r[1] for r in train + validation}
@@ -211,7 +212,7 @@ def test_samples_without_masked_tokens_are_dropped_from_both_splits():
 def test_the_index_holds_shard_row_and_length_per_split(tmp_path):
     from safetensors.torch import load_file
 
-    from draftline.prepare import write_index
+    from draftline.prepare.split import write_index
 
     train, validation = [(0, 11, 1, 9, 3), (1, 20, 0, 4, 4)], [(0, 10, 0, 7, 2)]
     write_index(tmp_path / "index.safetensors", train, validation)

@@ -17,20 +17,15 @@ import pytest
 
 from draftline import engine, formats
 from draftline.pipeline import artifacts
-from draftline.tiny import targets
+
+from conftest import REPO
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).resolve().parent / "faults"
 CAPTURE = "speculators.data_generation.custom_worker:HiddenStatesWorkerExtension._capture_step"
 EXECUTE = "vllm.v1.worker.cpu_worker:CPUWorker.execute_model"
 BOUND_S = 60  # from the fault to the process's exit: worker monitor + executor shutdown
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 def fault_env(method: str, stamp: Path, after: int = 0) -> dict:
@@ -114,8 +109,6 @@ def test_a_hanging_tp_rank_ends_extraction_within_the_rank_timeout(tmp_path, mod
 def test_a_failing_tp_rank_ends_speculative_decoding(tmp_path, model_dir):
     from test_serving import _save_draft
 
-    from draftline import serve
-
     draft = _save_draft(model_dir, [1, 2, 3], tmp_path / "draft")
     options = engine.EngineOptions(target=str(model_dir), dtype="float32", max_model_len=256,
                                    tensor_parallel_size=2, max_num_seqs=2, cpu_threads_bind="0|1"
@@ -130,7 +123,7 @@ def test_a_failing_tp_rank_ends_speculative_decoding(tmp_path, model_dir):
         "stop_ids": [1], "options": dataclasses.asdict(options)}))
     env = {**fault_env(EXECUTE, stamp, after=20), **options.environment()}
     result, seconds = run_until_exit(
-        [sys.executable, "-m", "draftline.serve", "measure-replies", str(request),
+        [sys.executable, "-m", "draftline.serve.jobs", "measure-replies", str(request),
          str(tmp_path / "out.json")], env, stamp)
     output = result.stdout + result.stderr
     print(f"speculative decoding: exit {result.returncode} {seconds:.1f} s after the fault; "

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from draftline import regenerate
+from draftline.regenerate import greedy
 from draftline.engine import EngineOptions
 from draftline.tiny import targets
 
@@ -28,8 +28,8 @@ class Scripted:
 
 
 def test_reply_spans():
-    assert regenerate.reply_spans([0, 1, 1, 0, 0, 1]) == [(1, 3), (5, 6)]
-    assert regenerate.reply_spans([0, 0]) == []
+    assert greedy.reply_spans([0, 1, 1, 0, 0, 1]) == [(1, 3), (5, 6)]
+    assert greedy.reply_spans([0, 0]) == []
 
 
 def test_every_reply_is_replaced_and_the_turns_between_are_kept():
@@ -37,7 +37,7 @@ def test_every_reply_is_replaced_and_the_turns_between_are_kept():
     ids = [10, 11, 20, 21, 9, 12, 13, 22, 9, 14]
     mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 0]
     engine = Scripted(([30, 9], True), ([31, 32, 33, 9], True))
-    new_ids, new_masks, stats = regenerate.regenerate([ids], [mask], engine, 64, None)
+    new_ids, new_masks, stats = greedy.regenerate([ids], [mask], engine, 64, None)
     assert engine.prompts == [[10, 11], [10, 11, 30, 9, 12, 13]]  # turn 2 sees the new turn 1
     assert new_ids == [[10, 11, 30, 9, 12, 13, 31, 32, 33, 9, 14]]
     assert new_masks == [[0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0]]
@@ -48,26 +48,26 @@ def test_a_capped_reply_ends_its_sample_and_samples_never_exceed_seq_length():
     ids = [10, 11, 20, 9, 12, 22, 9]
     mask = [0, 0, 1, 1, 0, 1, 1]
     engine = Scripted(([30, 31, 32, 33], False))
-    new_ids, new_masks, stats = regenerate.regenerate([ids], [mask], engine, 6, None)
+    new_ids, new_masks, stats = greedy.regenerate([ids], [mask], engine, 6, None)
     assert engine.caps == [4]  # seq_length 6 minus the 2-token prompt
     assert new_ids == [[10, 11, 30, 31, 32, 33]] and new_masks == [[0, 0, 1, 1, 1, 1]]
     assert (stats.capped, stats.dropped_turns) == (1, 1)
     engine = Scripted(([30], False))
-    regenerate.regenerate([ids], [mask], engine, 64, 1)
+    greedy.regenerate([ids], [mask], engine, 64, 1)
     assert engine.caps == [1]  # max_new_tokens
 
 
 def test_an_engine_returning_more_than_the_cap_is_an_error():
     with pytest.raises(RuntimeError, match="cap of 2"):
-        regenerate.regenerate([[1, 2, 3]], [[0, 1, 1]], Scripted(([5, 6, 7], False)), 3, None)
+        greedy.regenerate([[1, 2, 3]], [[0, 1, 1]], Scripted(([5, 6, 7], False)), 3, None)
     with pytest.raises(ValueError, match="without loss-mask"):
-        regenerate.regenerate([[1, 2]], [[0, 0]], Scripted(), 8, None)
+        greedy.regenerate([[1, 2]], [[0, 0]], Scripted(), 8, None)
 
 
 def test_stop_ids_come_from_the_generation_config(tmp_path):
     model = targets.build_tiny_llama(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2,
                                   num_kv_heads=1, intermediate_size=128)
-    assert regenerate.stop_token_ids(model) == [1, 6]  # <|eos|>, <|end|>
+    assert greedy.stop_token_ids(model) == [1, 6]  # <|eos|>, <|end|>
 
 
 @pytest.mark.vllm
@@ -90,7 +90,7 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     try:
         options = EngineOptions(target=str(model_dir), dtype="float32", max_model_len=256,
                                 max_num_seqs=2, gpu_memory_utilization=0.5)
-        engine = regenerate.VllmReplies(options, [stop], max_num_batched_tokens=64)
+        engine = greedy.VllmReplies(options, [stop], max_num_batched_tokens=64)
         try:
             replies = engine(prompts, [12] * len(prompts))
         finally:
@@ -116,7 +116,7 @@ TRACE_TOOLS = [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]  # tokenize's marks: the result 
 
 def test_a_different_call_ends_the_sample_before_the_recorded_tool_result():
     engine = Scripted(([30, 9], True))
-    new_ids, new_masks, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
+    new_ids, new_masks, stats = greedy.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
                                                       [TRACE_TOOLS])
     assert engine.prompts == [[10]]  # nothing is generated after a result that answers another call
     assert new_ids == [[10, 30, 9]] and new_masks == [[0, 1, 1]]
@@ -125,7 +125,7 @@ def test_a_different_call_ends_the_sample_before_the_recorded_tool_result():
 
 def test_the_same_call_keeps_its_recorded_result_and_the_sample_goes_on():
     engine = Scripted(([20, 21, 9], True), ([31, 9], True), ([32, 9], True))
-    new_ids, new_masks, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
+    new_ids, new_masks, stats = greedy.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None,
                                                       [TRACE_TOOLS])
     assert engine.prompts[1] == [10, 20, 21, 9, 12, 13]
     assert new_ids == [[10, 20, 21, 9, 12, 13, 31, 9, 14, 32, 9]]
@@ -135,5 +135,5 @@ def test_the_same_call_keeps_its_recorded_result_and_the_sample_goes_on():
 
 def test_without_tool_marks_every_reply_is_regenerated():
     engine = Scripted(([30, 9], True), ([31, 9], True), ([32, 9], True))
-    _, _, stats = regenerate.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None)
+    _, _, stats = greedy.regenerate([TRACE_IDS], [TRACE_MASK], engine, 64, None)
     assert (stats.replies, stats.tool_stops) == (3, 0)

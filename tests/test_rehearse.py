@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose, require_cuda
+from conftest import REPO, compose, require_cuda
 from draftline.rehearse import scope
-from draftline.tiny import miniature
+from draftline.rehearse import miniature
 
-REPO = Path(__file__).resolve().parents[1]
 KIMI_SHAPED = REPO / "tests/assets/kimi-k2.5-shaped"
 BROKEN_CAPTURE = REPO / "tests/assets/broken_capture"
 KIMI_AUX_IDS = [2, 30, 58]  # conf/model/kimi-k2.5.yaml
@@ -180,7 +179,7 @@ def _big_target(tmp_path: Path, gigabytes: float) -> Path:
 
 
 def test_loading_stages_wait_for_the_rehearsal_only_for_a_big_target(tmp_path):
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     data = tmp_path / "chats.jsonl"
     big, run = _big_target(tmp_path, 5), tmp_path / "run"
@@ -231,7 +230,7 @@ def _stage(stage: str, exp: str, run_dir: Path, *overrides: str, env: dict | Non
 
 def _tokenized(tmp_path: Path, exp: str, *overrides: str) -> Path:
     """The run dir with tokenize done (the project's assets built first, as Make's assets step)."""
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     run_dir = tmp_path / "run"
     status.ensure_assets(compose(exp, *overrides))
@@ -281,7 +280,7 @@ def test_the_tiny_targets_rehearse(tmp_path, exp):
 @pytest.mark.vllm
 @pytest.mark.long
 def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path):
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     embedded = compose("tiny")
     status.ensure_assets(embedded)  # the embedded conversations, as a user's data file
@@ -306,8 +305,8 @@ def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path)
 
 def _family_overrides(model_dir: Path, data: Path) -> tuple[str, ...]:
     """A qwen3-8b run (a shipped experiment) pointed at ``model_dir`` with the model fields
-    `make init` would write for it (draftline.pipeline.init)."""
-    from draftline.pipeline import init
+    `make init` would write for it (draftline.cli.init)."""
+    from draftline.cli import init
 
     facts = init.describe("x", json.loads((model_dir / "config.json").read_text()), [])
     return (f"model.path={model_dir}", f"data.path={data}", f"model.num_layers={facts.shape.num_layers}",
@@ -324,7 +323,7 @@ def _family_overrides(model_dir: Path, data: Path) -> tuple[str, ...]:
 def test_each_familys_weightless_directory_rehearses(tmp_path, name):
     """docs/families.md's engine cells: the miniature, extraction against transformers per slot,
     greedy speculative decoding equal to the plain engine, `vllm serve`, on the CPU engine."""
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     embedded = compose("tiny")
     status.ensure_assets(embedded)
@@ -363,7 +362,7 @@ def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_ca
 def test_on_a_gpu_the_kimi_shaped_directory_rehearses_with_int4_and_mla_kept(tmp_path):
     """`make selftest` on a user's GPU host (CUDA vLLM): the miniature keeps the INT4 experts
     (compressed-tensors, Marlin) and MLA, compiled with CUDA graphs, TP up to the GPUs there."""
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     require_cuda()
     embedded = compose("tiny")

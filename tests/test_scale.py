@@ -26,10 +26,9 @@ from draftline.pipeline import artifacts, launch
 from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
-from conftest import compose
+from conftest import REPO, compose
 import slurm_cluster
 
-REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 240  # seconds for one stage run (imports dominate on a busy 2-core box)
 
 
@@ -398,9 +397,9 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = EXTRACT_T
 def extract_repo(tmp_path_factory):
     """A copy of the repository with tokenize and regenerate done, and one replica's shards
     (through `make extract`) as the reference every other way of extracting must equal."""
-    from test_pipeline import _copy_repo
+    from conftest import copy_repo
 
-    repo = _copy_repo(tmp_path_factory.mktemp("extract-scale"))
+    repo = copy_repo(tmp_path_factory.mktemp("extract-scale"))
     make_in(repo, "regenerate")
     _, seconds = make_in(repo, "extract")
     extract_dir = repo / "runs/tiny/extract"

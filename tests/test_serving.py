@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from conftest import environment
-from draftline.tiny import capture, targets
+from draftline.tiny import targets
+from harness import capture
 
 pytestmark = pytest.mark.vllm
 

@@ -25,7 +25,7 @@ import pytest
 
 from draftline.pipeline import artifacts
 import slurm_cluster
-from test_pipeline import REPO, _copy_repo
+from conftest import REPO, copy_repo
 from test_scale import DRAFT_ATOL, max_draft_difference
 
 pytestmark = [pytest.mark.long, pytest.mark.vllm]
@@ -58,7 +58,7 @@ def cluster(tmp_path_factory):
 def checkout(tmp_path: Path) -> Path:
     """A copy of the repository with what `make setup` made here (.venv, .tools where uv is
     not on PATH), as a user's checkout after `make setup`."""
-    repo = _copy_repo(tmp_path)
+    repo = copy_repo(tmp_path)
     (repo / ".venv").symlink_to(Path(sys.prefix))
     if (REPO / ".tools").exists():
         (repo / ".tools").symlink_to(REPO / ".tools")

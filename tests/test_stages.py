@@ -9,11 +9,9 @@ import json
 
 import pytest
 
-from draftline.tiny import targets
 
-from conftest import compose
+from conftest import REPO, compose
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_stage(stage: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -34,11 +32,6 @@ def stopped(result: subprocess.CompletedProcess, run_dir: Path, stage: str) -> s
     logged = log.read_text()
     assert "Traceback (most recent call last)" in logged
     return result.stderr + logged
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -148,8 +141,8 @@ def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
     mounts as one), and is swapped in one step; a real directory there is never replaced."""
     import os
 
-    from draftline.pipeline import artifacts, config
-    from stages import train as train_stage
+    from draftline.pipeline import artifacts
+    from draftline.train import run as train_run
 
     run_dir = tmp_path / "runs" / "x"
     cfg = compose("tiny", f"run_dir={run_dir}")
@@ -158,7 +151,7 @@ def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
         draft.mkdir(parents=True)
         (draft / "config.json").write_text(key)
         artifacts.write_json(run_dir / "train" / artifacts.MANIFEST, {"draft": str(draft)})
-        link = train_stage.link_draft(cfg)
+        link = train_run.link_draft(cfg)
         assert link == run_dir / "draft" and link.is_symlink()
         assert os.readlink(link) == f"train/{key}/draft"
         assert (link / "config.json").read_text() == key
@@ -166,7 +159,7 @@ def test_train_leaves_the_run_dir_a_relative_link_to_the_latest_draft(tmp_path):
     link.unlink()
     link.mkdir()
     with pytest.raises(FileExistsError):
-        train_stage.link_draft(cfg)
+        train_run.link_draft(cfg)
     assert link.is_dir() and not link.is_symlink()
 
 
@@ -187,15 +180,15 @@ def _serve_cfg(tmp_path, model_dir, *overrides):
 
 
 def test_serve_listens_on_loopback_by_default_and_never_writes_the_key(tmp_path, model_dir, monkeypatch):
-    from stages import serve as serve_stage
+    from draftline.serve import server
 
     monkeypatch.setenv("VLLM_API_KEY", SENTINEL_KEY)
     for host in ("127.0.0.1", "0.0.0.0"):  # the default, and beyond loopback with the key set
         overrides = () if host == "127.0.0.1" else (f"serve.host={host}",)
         cfg, run_dir = _serve_cfg(tmp_path / host, model_dir, *overrides)
-        command, env, differences = serve_stage.server_command(cfg)
+        command, env, differences = server.server_command(cfg)
         assert command[command.index("--host") + 1] == host
-        serve_stage.write_command(cfg, command, env, differences)
+        server.write_command(cfg, command, env, differences)
         assert SENTINEL_KEY not in " ".join(command) and SENTINEL_KEY not in json.dumps(env)
         written = [p for p in run_dir.rglob("*") if p.is_file()]
         assert run_dir / "serve" / "command.json" in written
@@ -203,27 +196,27 @@ def test_serve_listens_on_loopback_by_default_and_never_writes_the_key(tmp_path,
 
 
 def test_serve_beyond_loopback_without_a_key_or_with_a_key_in_argv_is_refused(tmp_path, model_dir, monkeypatch):
-    from stages import serve as serve_stage
+    from draftline.serve import server
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    monkeypatch.delenv(serve_stage.IN_CONTAINER, raising=False)
+    monkeypatch.delenv(server.IN_CONTAINER, raising=False)
     cfg, _ = _serve_cfg(tmp_path / "a", model_dir, "serve.host=0.0.0.0")
     with pytest.raises(ValueError, match=r"serve.host=0.0.0.0 listens beyond this machine with no API "
                                          r"key: set VLLM_API_KEY in the environment"):
-        serve_stage.server_command(cfg)
+        server.server_command(cfg)
     cfg, _ = _serve_cfg(tmp_path / "b", model_dir, f"serve.extra_args=[--api-key,{SENTINEL_KEY}]")
     with pytest.raises(ValueError, match="serve.extra_args holds --api-key"):
-        serve_stage.server_command(cfg)
+        server.server_command(cfg)
     # The compose service binds the container's addresses; its port is published on loopback.
-    monkeypatch.setenv(serve_stage.IN_CONTAINER, "1")
+    monkeypatch.setenv(server.IN_CONTAINER, "1")
     cfg, _ = _serve_cfg(tmp_path / "c", model_dir, "serve.host=0.0.0.0")
-    assert serve_stage.server_command(cfg)[0]
+    assert server.server_command(cfg)[0]
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
                                             ("localhost", True), ("0.0.0.0", False), ("::", False),
                                             ("10.0.0.5", False), ("myhost", False)])
 def test_loopback_addresses(host, loopback):
-    from stages import serve as serve_stage
+    from draftline.serve import server
 
-    assert serve_stage.is_loopback(host) is loopback
+    assert server.is_loopback(host) is loopback

@@ -21,14 +21,16 @@ from pathlib import Path
 import pytest
 
 from draftline import patchq
-from draftline.pipeline import artifacts, config, deps, status
+from draftline.cli import status
+from draftline.pipeline import artifacts, config, deps
 from draftline.tiny import embedded, targets
 
-REPO = deps.REPO
+from conftest import REPO
+
 STAGES = tuple(s for s in config.STAGES if s != "rehearse")  # the pipeline; the rehearsal is a side branch
 T0 = 1_700_000_000 * 10**9  # ns; manifests get mtimes T0, T0 + 1 s, ... in pipeline order
 SECOND = 10**9
-CODE = "draftline/pipeline/status.py"  # a project file every hand-made record depends on
+CODE = "draftline/cli/status.py"  # a project file every hand-made record depends on
 
 
 def _set_mtime(path: Path, ns: int) -> None:
@@ -96,7 +98,7 @@ def test_status_names_each_reason_and_marks_what_follows_a_stale_stage(tmp_path)
         "  tokenize: STALE - config k: 1 -> 2",
         "  rehearse: STALE - never run (no manifest)",
         "regenerate: STALE - an upstream stage is stale",
-        "   extract: STALE - config new: null -> true; code draftline/pipeline/status.py changed",
+        "   extract: STALE - config new: null -> true; code draftline/cli/status.py changed",
         "   prepare: STALE - an upstream stage is stale",
         "     train: STALE - never run (no manifest)",
         "  evaluate: STALE - never run (no manifest)",
@@ -115,7 +117,7 @@ def test_stale_reasons_in_order_upstream_config_dependencies(tmp_path):
     artifacts.write_json(extract / artifacts.STAMP, {"k": 3})
     _edit_record(extract, _stale_code)
     assert status.stale_reasons(extract, upstream, []) == [
-        "regenerate's outputs are newer", "config k: 1 -> 3", "code draftline/pipeline/status.py changed"]
+        "regenerate's outputs are newer", "config k: 1 -> 3", "code draftline/cli/status.py changed"]
     # An upstream stage without outputs: this stage's inputs are gone.
     assert status.stale_reasons(extract, run / "tokenize", [])[0] == "tokenize's outputs are newer"
 
@@ -217,14 +219,14 @@ def test_accept_records_what_it_kept_and_leaves_mtimes_alone(tmp_path):
     previous = _edit_record(prepare, _stale_code)
     status.sync_deps_stamp(prepare, [])
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    assert status.accept(run, "prepare") == ["code draftline/pipeline/status.py changed"]
+    assert status.accept(run, "prepare") == ["code draftline/cli/status.py changed"]
     manifest = artifacts.read_json(manifest_path)
     (entry,) = manifest["accepted"]
     assert set(entry) == {"at", "by", "host", "differences", "previous"}
     at = datetime.datetime.fromisoformat(entry["at"])
     assert entry["at"].endswith("+00:00") and before <= at <= before + datetime.timedelta(minutes=5)
     assert entry["by"] == getpass.getuser() and entry["host"] == platform.node()
-    assert entry["differences"] == ["code draftline/pipeline/status.py changed"]
+    assert entry["differences"] == ["code draftline/cli/status.py changed"]
     assert entry["previous"] == previous
     assert manifest["provenance"]["deps"] == deps.current(previous)
     assert manifest_path.stat().st_mtime_ns == T0 + 3 * SECOND
@@ -264,7 +266,7 @@ def test_accept_compares_with_the_stage_just_upstream(tmp_path):
     _set_mtime(run / "tokenize" / artifacts.MANIFEST, T0 + 20 * SECOND)
     with pytest.raises(ValueError, match="rerun the stage for: tokenize's outputs are newer$"):
         status.accept(run, "regenerate")
-    assert status.accept(run, "tokenize") == ["code draftline/pipeline/status.py changed"]  # first: no upstream
+    assert status.accept(run, "tokenize") == ["code draftline/cli/status.py changed"]  # first: no upstream
 
 
 def test_accept_refuses_what_it_cannot_keep(tmp_path):
@@ -387,7 +389,7 @@ def test_project_file_is_a_project_source_file_or_none(tmp_path):
             mod.__file__ = file
         return mod
 
-    assert deps._project_file(status) == REPO / "draftline/pipeline/status.py"
+    assert deps._project_file(status) == REPO / "draftline/cli/status.py"
     assert deps._project_file(module(str(REPO / "stages/train.py"))) == REPO / "stages/train.py"
     assert deps._project_file(module(str(REPO / "tests/test_status.py"))) is None  # in the repo, not project
     assert deps._project_file(module(str(REPO / "draftline/_ext.so"))) is None
@@ -417,7 +419,7 @@ def test_loaded_records_this_process(tmp_path, monkeypatch):
     assert "dl_fake_broken.sub" in sys.modules and "dl_fake_broken" not in sys.modules
 
     recorded = deps.loaded([gate])
-    assert {"draftline/pipeline/deps.py", "draftline/pipeline/status.py", "draftline/__init__.py"} <= set(recorded["code"])
+    assert {"draftline/pipeline/deps.py", "draftline/cli/status.py", "draftline/__init__.py"} <= set(recorded["code"])
     assert "draftline/tiny/targets.py" not in recorded["code"]
     assert all((REPO / name).is_file() and name.split("/")[0] in deps.PROJECT for name in recorded["code"])
     assert recorded["code"][CODE] == _sha(REPO / CODE)
@@ -674,7 +676,7 @@ def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):
     assert _main(monkeypatch, status, ["show", str(run)]) == 0
     assert capsys.readouterr().out.splitlines() == status.show_status(run)
     assert _main(monkeypatch, status, ["accept", str(run), "regenerate"]) == 0
-    assert capsys.readouterr().out == "regenerate: accepted code draftline/pipeline/status.py changed\n"
+    assert capsys.readouterr().out == "regenerate: accepted code draftline/cli/status.py changed\n"
     # No command: the help, with the three commands and no shell-completion options.
     assert _main(monkeypatch, status, []) != 0
     shown = capsys.readouterr()
@@ -684,10 +686,10 @@ def test_show_and_accept_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_deps_cli(tmp_path, capsys):
-    deps.main(["files", "draftline.pipeline.status"])
+    deps.main(["files", "draftline.cli.status"])
     listed = capsys.readouterr().out.splitlines()
-    assert listed == [str(p.relative_to(REPO)) for p in deps.closure(["draftline.pipeline.status"])]
-    assert {"draftline/pipeline/status.py", "draftline/pipeline/deps.py", "draftline/tiny/targets.py"} <= set(listed)
+    assert listed == [str(p.relative_to(REPO)) for p in deps.closure(["draftline.cli.status"])]
+    assert {"draftline/cli/status.py", "draftline/pipeline/deps.py", "draftline/tiny/targets.py"} <= set(listed)
     stage_dir = tmp_path / "extract"
     record = deps.current({"code": {CODE: None}})
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
@@ -696,7 +698,7 @@ def test_deps_cli(tmp_path, capsys):
     record["code"][CODE], record["python"] = "0", "2.7"
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})
     deps.main(["show", str(stage_dir)])
-    assert capsys.readouterr().out == f"code draftline/pipeline/status.py changed\npython 2.7 -> {platform.python_version()}\n"
+    assert capsys.readouterr().out == f"code draftline/cli/status.py changed\npython 2.7 -> {platform.python_version()}\n"
     for argv in ([], ["files"], ["show"], ["show", "a", "b"], ["other", "x"]):
         with pytest.raises(SystemExit, match="^" + re.escape("usage: python -m draftline.pipeline.deps files MODULE... | show STAGE_DIR") + "$"):
             deps.main(argv)
@@ -717,7 +719,7 @@ def test_the_summary_names_the_draft_its_tau_the_gate_and_the_next_command(tmp_p
     assert status.summary(run, "mine", lines)[1] == "      gate: baseline check off: a random target"
     (run / "train/abc/draft").mkdir(parents=True)
     (run / "draft").symlink_to("train/abc/draft")
-    from stages.evaluate import judge
+    from draftline.evaluate.gate import judge
 
     offline = {"eagle3": {"tau": 1.9091, "tau_ci": [1.78, 2.064]},
                "bigram": {"tau": 1.49, "tau_ci": [1.42, 1.56]},

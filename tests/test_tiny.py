@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from draftline.tiny import targets
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 WEIGHTS = "model.safetensors"
 
 

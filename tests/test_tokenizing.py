@@ -9,7 +9,8 @@ import pytest
 
 from draftline.tiny import targets
 from draftline.tokenize import chat
-from draftline.tokenize.conversations import DEFAULT_ROLES, DataError
+from draftline.errors import DataError
+from draftline.tokenize.conversations import DEFAULT_ROLES
 from draftline.tokenize.encode import Budget, tokenize_source
 from draftline.tokenize.sources import open_source
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftline import formats
-from draftline.evaluate.in_vllm import check_vllm_parse
+from draftline.train.vllm_parse import check_vllm_parse
 from draftline.formats import load_split
 from draftline.tiny import targets as tiny
 from draftline.train.loader import (
@@ -38,7 +38,8 @@ from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import train
 from draftline.train.packing import PACKING
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 AUX_IDS = [2, 3, 4]
 NUM_LAYERS = 6
 VOCAB, DRAFT_VOCAB, HIDDEN = 512, 128, 256

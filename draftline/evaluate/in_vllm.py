@@ -1,12 +1,7 @@
 """The draft in vLLM itself: vLLM's speculative decoding of the held-out prompts against the
 offline walk of the same replies (``vllm_vs_offline``), and vLLM's own config parser and Eagle3
-loader reading the saved draft: the parser alone in this process (``check_vllm_parse``, what
-training checks right after saving), parser and loader in a child process
-(``check_vllm_load``, what evaluate checks).
-
-Training imports this module for its parse check, so the offline walk and the statistics are
-imported where ``vllm_vs_offline`` uses them: a training run's recorded code (its import
-closure, draftline.pipeline.deps) then does not include the evaluation it never ran.
+loader reading the saved draft in a child process (``check_vllm_load``, what evaluate checks;
+the parser alone, what training checks right after saving, is ``draftline.train.vllm_parse``).
 """
 
 from __future__ import annotations
@@ -24,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from draftline.train import vllm_parse
+
 if TYPE_CHECKING:
     from draftline.evaluate.offline import Sample
-
-VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"  # what vLLM 0.16 serves a speculators Eagle3 save as
 
 
 def first_difference(stored: Sequence[int], produced: Sequence[int]) -> dict:
@@ -45,7 +40,7 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
                     proposer, k: int, stats: dict) -> dict:
     """vLLM's own speculative decoding of each held-out prompt vs the offline walk of its reply.
 
-    ``measured[i]`` is vLLM's decode of reply i's prompt (draftline.serve.measure_replies):
+    ``measured[i]`` is vLLM's decode of reply i's prompt (draftline.serve.jobs.measure_replies):
     its tokens and the accepted draft tokens of every verification step.  Where the stored
     reply is the target's own greedy reply (``regenerate.replies=target``) vLLM reproduces it
     token for token (``text_mismatches`` counts and locates the replies where it did not) and
@@ -163,50 +158,7 @@ def compare_loaded(params: dict[str, torch.Tensor], saved: dict[str, torch.Tenso
     return {"placed": placed, "ignored_by_vllm": ignored, "parameters": sorted(filled)}
 
 
-def check_reading(seen: dict, aux_layer_ids: Sequence[int], draft_vocab_size: int,
-                  draft_dir: str | Path) -> dict:
-    """``seen`` (``read_with_vllm``'s fields) against what the draft was built with.
-
-    Compared, not only parsed: vLLM serving other aux layers or another vocabulary size
-    would load without complaint and propose from the wrong features or ids.
-    """
-    expected = {
-        "architectures": [VLLM_ARCHITECTURE],
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
-        "draft_vocab_size": int(draft_vocab_size),
-    }
-    if seen != expected:
-        raise ValueError(f"vLLM reads {draft_dir} as {seen}, expected {expected}")
-    return seen
-
-
-# pragma: no mutate start  (vLLM's parser and loader: test_training and the vLLM tier run them, `make mutation` does not)
-def read_with_vllm(draft_dir: str | Path) -> dict:
-    """What vLLM's own config parser reads from ``draft_dir``: the fields that decide what it serves.
-
-    vLLM 0.16 reads a speculators Eagle3 save through ``SpeculatorsConfig``: it starts from
-    ``transformer_layer_config``, sets ``architectures = ["Eagle3LlamaForCausalLM"]`` and
-    copies the top-level ``draft_vocab_size``, ``norm_before_residual``,
-    ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids``.
-    """
-    from vllm.transformers_utils.config import get_config  # heavy import, only here
-
-    config = get_config(str(draft_dir), trust_remote_code=False)
-    return {
-        "architectures": list(config.architectures or []),
-        "eagle_aux_hidden_state_layer_ids": list(
-            getattr(config, "eagle_aux_hidden_state_layer_ids", None) or []),
-        "draft_vocab_size": getattr(config, "draft_vocab_size", None),
-    }
-
-
-def check_vllm_parse(draft_dir: str | Path, aux_layer_ids: Sequence[int],
-                     draft_vocab_size: int) -> dict:
-    """vLLM's parser on ``draft_dir`` in this process (no engine, no weights), checked
-    against the aux layers and vocabulary size the draft was built with; returns what it read."""
-    return check_reading(read_with_vllm(draft_dir), aux_layer_ids, draft_vocab_size, draft_dir)
-
-
+# pragma: no mutate start  (vLLM's loader: the vLLM tier runs it, `make mutation` does not)
 def _vllm_load_in_process(draft_dir: str, target_dir: str, k: int, trust_remote_code: bool) -> dict:
     """vLLM's own path: EngineArgs -> VllmConfig (speculators config parsing), get_model(draft)."""
     from vllm.config import set_current_vllm_config
@@ -214,7 +166,7 @@ def _vllm_load_in_process(draft_dir: str, target_dir: str, k: int, trust_remote_
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
-    parsed = read_with_vllm(draft_dir)
+    parsed = vllm_parse.read_with_vllm(draft_dir)
     engine = EngineArgs(model=target_dir, speculative_config={"model": draft_dir, "method": "eagle3",
                                                            "num_speculative_tokens": k},
                         trust_remote_code=trust_remote_code, enforce_eager=True)

@@ -8,11 +8,11 @@ overrides.
 from __future__ import annotations
 
 import difflib
-import sys
 from pathlib import Path
-from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
+
+from draftline.errors import UserConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 STAGES = ("tokenize", "rehearse", "regenerate", "extract", "prepare", "train", "evaluate", "report")
@@ -54,33 +54,9 @@ LOCAL = "local.yaml"  # untracked: this machine's paths (model.path, data.path, 
 OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt")
 
 
-class UserError(Exception):
-    """A failure the user can act on from its message and hint alone: what they gave (a config,
-    a model directory, data) is not usable, or the run's own check (the gate) said no. A stage
-    prints the two lines and keeps the traceback in its log file (stage.run_stage); the config
-    entry points print the two lines (``refuse``). Exit code 2, as for Make's usage errors."""
-
-    hint_text: str | None = None  # the class's hint, when the raise gives none
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint or self.hint_text
-
-
-class UserConfigError(UserError, ValueError):
-    """A mistake in what the user asked for (a key, an experiment, a path, a required value left
-    unset), refused before any stage starts."""
-
-
-def refuse(error: Exception, one_line: bool = False) -> NoReturn:
-    """Print a user's mistake and exit 2: message and hint on stderr, or both on one stdout line
-    for Make's parse-time `$(shell ...)` (its `$(error ...)` shows that line and stops)."""
-    hint = getattr(error, "hint", None)
-    if one_line:
-        print(f"draftline: {error}" + (f"; hint: {hint}" if hint else ""))
-    else:
-        print(f"draftline: {error}" + (f"\nhint: {hint}" if hint else ""), file=sys.stderr)
-    sys.exit(2)
+def is_hub_name(label: str) -> bool:
+    """``owner/name``: read as a hub dataset when no such path exists."""
+    return label.count("/") == 1 and not label.startswith((".", "/")) and not label.endswith("/")
 
 
 def _hydra_compose(overrides: list[str], conf_dir: Path) -> DictConfig:
@@ -212,8 +188,9 @@ def check(cfg: DictConfig) -> None:
         raise UserConfigError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required and not set",
                               f'add {values} to the overrides (make: OVERRIDES="{values}"), '
                               f"or set {them} in the untracked conf/local.yaml")
-    check_baseline_gate(cfg.evaluate.baseline_gate)
-    from draftline.tokenize.sources import is_hub_name
+    from draftline.evaluate import gate  # layer: evaluate owns its gate, config runs its check before any stage
+
+    gate.check_config(cfg.evaluate.baseline_gate)
 
     if cfg.model.build is None and _users(cfg.model.path, cfg) and not Path(cfg.model.path).is_dir():
         raise UserConfigError(f"model.path={cfg.model.path}: no such directory",
@@ -223,17 +200,6 @@ def check(cfg: DictConfig) -> None:
         raise UserConfigError(f"data.path={data}: no such file or directory",
                               "data.path is a JSON, JSONL or parquet file, a datasets save_to_disk "
                               "directory, or the owner/name of a dataset in the local HF cache")
-
-
-def check_baseline_gate(gate: DictConfig) -> None:
-    """evaluate.baseline_gate: a bool, and off only with a stated reason."""
-    if not isinstance(gate.enabled, bool):
-        raise UserConfigError(f"evaluate.baseline_gate.enabled={gate.enabled!r} is not true or false",
-                              "the baseline gate is on (true) unless an experiment turns it off (false)")
-    if not gate.enabled and not str(gate.off_because or "").strip():
-        raise UserConfigError("evaluate.baseline_gate.enabled=false needs evaluate.baseline_gate.off_because",
-                              "say why this experiment's draft may lose to token counts (a random tiny "
-                              "target, for one); make status and the report show it")
 
 
 def _users(path: str, cfg: DictConfig) -> bool:

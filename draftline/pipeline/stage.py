@@ -10,6 +10,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
+from draftline import errors
 from draftline.pipeline import artifacts, config, deps, numerics
 
 log = logging.getLogger("draftline")
@@ -34,8 +35,8 @@ def refuse_mistakes(argv: list[str] | None = None) -> None:
         return  # Hydra's own flags (--cfg, --config-path as `make reproduce` passes): Hydra's to read
     try:
         config.check(config.compose(args))
-    except config.UserError as error:
-        config.refuse(error)
+    except errors.UserError as error:
+        errors.refuse(error)
 
 
 def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
@@ -61,7 +62,7 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
         fields = work(cfg)
         # What the run imported, read from this process once the work is done (draftline.pipeline.deps).
         recorded = deps.loaded(config.stage_files(cfg, stage), deps.union(previous, *parts()))
-    except config.UserError as error:
+    except errors.UserError as error:
         stop_for_user(f"stage {stage} stopped after {time.monotonic() - start:.1f} s", error)
     except BaseException:
         log.exception("stage %s failed after %.1f s", stage, time.monotonic() - start)
@@ -74,7 +75,7 @@ def run_stage(stage: str, cfg: DictConfig, work: Callable[[DictConfig], dict],
     log.info("stage %s done in %.1f s: %s", stage, fields["wall_seconds"], path)
 
 
-def stop_for_user(what: str, error: config.UserError) -> None:
+def stop_for_user(what: str, error: errors.UserError) -> None:
     """Exit 2 with the error's message and hint on stderr, its traceback in the stage's log
     file (Hydra's, runs/<exp>/logs/<stage>.log), which the second line names. Without a log
     file (a stage run outside Hydra) the traceback goes to the screen as any failure's does."""

@@ -4,11 +4,11 @@
   generator started by extract's ``make_generator``, extract's own writer writing real
   shards); every slot of every sample compared with transformers on the same miniature: the
   row must be nearest to the layer input it names, within the dtype's tolerance.
-* speculative decoding: evaluate's measurement (draftline.serve.measure_replies, the draft in
+* speculative decoding: evaluate's measurement (draftline.serve.jobs.measure_replies, the draft in
   vLLM, greedy, one prompt at a time) against the plain engine's greedy decode of the same
   prompts; replies may differ in at most ``max_text_mismatches`` (evaluate's allowance for
   floating-point near-ties).
-* `vllm serve`: make serve's command line (draftline.serve.serve_command) of miniature and
+* `vllm serve`: make serve's command line (draftline.serve.jobs.serve_command) of miniature and
   draft, until it answers one completion request.
 
 A failing check raises: the rehearsal stops there, its traceback ends the stage non-zero.
@@ -41,7 +41,7 @@ log = logging.getLogger("draftline.rehearse")
 # router scores are within bf16's rounding of each other, the rounded run picks the other
 # expert and that token's state moves by an expert's output (20-40% measured). transformers'
 # own bf16 run flips as many tokens of the tiny DeepseekV3 against its float32 run (1-3% of
-# tokens past 5%, benchmarks/branches.py), so up to FLIPPED_SHARE of the tokens may.
+# tokens past 5%, harness/branches.py), so up to FLIPPED_SHARE of the tokens may.
 TOLERANCE = {"float32": 1e-4, "other": 5e-2}
 FLIPPED_SHARE = {"float32": 0.0, "other": 0.05}
 
@@ -158,7 +158,7 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     from draftline.extract.run import write_shards
     from draftline.pipeline.progress import TOKENS, Progress
     from draftline.rehearse import cost
-    from draftline.tiny import miniature
+    from draftline.rehearse import miniature
 
     lengths = [len(s) for s in samples]
     plans = shards.plan_shards(lengths, int(cfg_mini.extract.shard_tokens))
@@ -222,7 +222,7 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
 
 def prompts_of(samples: list[list[int]], masks: list[list[int]], max_prompt: int) -> list[list[int]]:
     """Each sample's tokens before its first reply (the whole sample when it has none)."""
-    from draftline.regenerate import reply_spans
+    from draftline.regenerate.greedy import reply_spans
 
     prompts = []
     for ids, mask in zip(samples, masks, strict=True):
@@ -234,11 +234,11 @@ def prompts_of(samples: list[list[int]], masks: list[list[int]], max_prompt: int
 def speculative(options, draft: Path, k: int, prompts: list[list[int]], max_tokens: int,
                 stop_ids: list[int], max_mismatches: int) -> tuple[dict, str]:
     """The draft in vLLM, greedy, against the plain engine's greedy decode."""
-    from draftline import serve
+    from draftline.serve import jobs
     from draftline.evaluate.in_vllm import first_difference
 
     caps = [max_tokens] * len(prompts)
-    both = serve.speculative_and_plain(options, draft, k, prompts, caps, stop_ids)
+    both = jobs.speculative_and_plain(options, draft, k, prompts, caps, stop_ids)
     measured, plain = both["speculative"], both["plain"]
     mismatched = [{"prompt": i, **first_difference(p, m["tokens"])}
                   for i, (m, p) in enumerate(zip(measured["replies"], plain["tokens"], strict=True))
@@ -296,10 +296,10 @@ def _tail(path: Path, chars: int = 12000) -> str:
 def serving(options, draft: Path, k: int, prompt: list[int], max_tokens: int, log_path: Path,
             timeout: float) -> tuple[dict, str]:
     """`vllm serve` of miniature + draft (make serve's command line) answers one completion."""
-    from draftline import serve
+    from draftline.serve import jobs
 
     port = _free_port()
-    command = serve.serve_command(options, draft, k, host="127.0.0.1", port=port)
+    command = jobs.serve_command(options, draft, k, host="127.0.0.1", port=port)
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]
     base = f"http://127.0.0.1:{port}"
     started = time.monotonic()

@@ -50,7 +50,7 @@ def cost_check(cfg: DictConfig, tokenized: dict) -> tuple[cost.Cost, str]:
 
 
 def miniature_check(cfg: DictConfig, plan: scope.Scope, out_dir: Path):
-    from draftline.tiny import miniature
+    from draftline.rehearse import miniature
 
     built = miniature.build_miniature(
         cfg.model.path, out_dir, list(cfg.model.aux_layer_ids), device=plan.device,
@@ -61,8 +61,8 @@ def miniature_check(cfg: DictConfig, plan: scope.Scope, out_dir: Path):
 
 def rehearse(cfg: DictConfig) -> dict:
     """Every check in order (logged with PASS/FAIL and seconds); the manifest's fields."""
-    from draftline import regenerate
-    from draftline.tiny import miniature
+    from draftline.regenerate import greedy
+    from draftline.rehearse import miniature
 
     out_dir, tokenize_dir = config.stage_dir(cfg, "rehearse"), config.stage_dir(cfg, "tokenize")
     tokenized = artifacts.read_manifest(tokenize_dir)
@@ -89,7 +89,7 @@ def rehearse(cfg: DictConfig) -> dict:
     prompts = checks.prompts_of(samples, masks, int(options.max_model_len or 2048) - new_tokens - 1)
     if "speculative" not in plan.skip:
         records["speculative"] = run.check("speculative decoding", lambda: checks.speculative(
-            options, draft, k, prompts, new_tokens, regenerate.stop_token_ids(mini.path),
+            options, draft, k, prompts, new_tokens, greedy.stop_token_ids(mini.path),
             int(cfg.evaluate.vllm.max_text_mismatches)))
     if "serve" not in plan.skip:
         served = engine.engine_options(mini_cfg, mini_cfg.serve)

@@ -61,7 +61,7 @@ class TargetTrainSpec:
 
 def split_conversations(conversations: list, fraction: float, seed: int) -> tuple[list, list]:
     """(kept for training, held out): the held-out ones are those ``prepare`` will hold out."""
-    from draftline.prepare import is_validation
+    from draftline.prepare.split import is_validation
 
     held = [is_validation(i, fraction, seed) for i in range(len(conversations))]
     return ([c for c, h in zip(conversations, held, strict=True) if not h],

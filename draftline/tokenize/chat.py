@@ -32,7 +32,7 @@ from bisect import bisect_left
 from itertools import pairwise
 from typing import Any, Sequence
 
-from draftline.tokenize.conversations import DataError
+from draftline.errors import DataError
 from draftline.tokenize.spans import (
     ChatTemplateError,
     SampleLabel,

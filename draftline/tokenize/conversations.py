@@ -45,14 +45,12 @@ the tiny target's training; the tokenize stage streams records itself.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from collections import Counter
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
-from draftline.pipeline.config import UserError
+from draftline.errors import DataError
 from draftline.tokenize import traces
 
 __all__ = [
@@ -84,14 +82,6 @@ DEFAULT_ROLES = {
 _TARGET_ROLES = ("system", "user", "assistant", "tool", "function_call")
 # How many skip reasons a budget-exceeded error quotes; the rest are counted.
 _REASONS_SHOWN = 5
-
-
-class DataError(UserError, ValueError):
-    """Input data is unusable; the message names the file and line / item / sample."""
-
-    hint_text = ("data.path holds ShareGPT (conversations: from/value) or OpenAI (messages: "
-                 "role/content) records in JSON, JSONL, parquet or a datasets directory; data.field "
-                 "and data.roles adapt others (README.md, 'Your own conversations')")
 
 
 class RecordSkip(ValueError):

@@ -30,10 +30,11 @@ import numpy as np
 
 from draftline import target
 from draftline.pipeline.progress import Progress
-from draftline.pipeline.config import UserError
+from draftline.errors import UserError
 from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
 from draftline.tokenize.spans import Template
-from draftline.tokenize.conversations import DataError, RecordSkip, normalize
+from draftline.errors import DataError
+from draftline.tokenize.conversations import RecordSkip, normalize
 from draftline.tokenize.sources import Source, select_records
 
 __all__ = ["Budget", "Tally", "TokenizedSet", "load_tokenizer", "tokenize_source", "default_workers"]

@@ -19,7 +19,7 @@ Only a JSON list is read whole (a JSON array cannot be streamed with the standar
 everything else is streamed, so memory does not grow with the file.  A hub name is resolved
 with ``huggingface_hub.snapshot_download(local_files_only=True)`` and its parquet or JSON(L)
 files of the requested split are read like local files; nothing is ever downloaded, so a
-name that is not cached is a :class:`~draftline.tokenize.conversations.DataError` that says how to
+name that is not cached is a :class:`~draftline.errors.DataError` that says how to
 get it.
 
 Record selection (``max_samples``, a seeded shuffle) is by record number, so it picks the
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from draftline.pipeline import artifacts
-from draftline.tokenize.conversations import DataError
+from draftline.pipeline.config import is_hub_name
+from draftline.errors import DataError
 
 __all__ = ["RawRecord", "Source", "open_source", "select_records"]
 
@@ -207,11 +208,6 @@ def _hub_source(name: str, split: str) -> Source:
 
 
 # --------------------------------------------------------------------------- choosing
-
-
-def is_hub_name(label: str) -> bool:
-    """``owner/name``: read as a hub dataset when no such path exists."""
-    return label.count("/") == 1 and not label.startswith((".", "/")) and not label.endswith("/")
 
 
 def open_source(path: str | os.PathLike[str], split: str = "train") -> Source:

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from jinja2.exceptions import TemplateError
 
-from draftline.tokenize.conversations import DataError
+from draftline.errors import DataError
 
 __all__ = ["ChatTemplateError", "Rendered", "UnfaithfulRender", "assistant_char_spans",
            "render_conversation"]

@@ -366,7 +366,7 @@ def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence
         return None, [{"what": what, "reason": "vLLM is not installed here"}]
     if check_vllm is False:
         return None, [{"what": what, "reason": "turned off by the caller (check_vllm=False)"}]
-    from draftline.evaluate.in_vllm import check_vllm_parse  # evaluate's check, the parse alone
+    from draftline.train.vllm_parse import check_vllm_parse
 
     return check_vllm_parse(draft_dir, aux_layer_ids, draft_vocab_size), []
 

@@ -1,9 +1,9 @@
 """`make` helpers: write every stage's stamps, say which stages are stale and why, accept.
 
-    python -m draftline.pipeline.status stamp tiny -- train.lr=1e-3
-    python -m draftline.pipeline.status show runs/tiny
-    python -m draftline.pipeline.status accept runs/tiny extract
-    python -m draftline.pipeline.status gate kimi-k2.5 -- model.path=/models/kimi
+    python -m draftline.cli.status stamp tiny -- train.lr=1e-3
+    python -m draftline.cli.status show runs/tiny
+    python -m draftline.cli.status accept runs/tiny extract
+    python -m draftline.cli.status gate kimi-k2.5 -- model.path=/models/kimi
 
 Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
 Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
@@ -319,6 +319,7 @@ def show_status(run_dir: Path) -> list[str]:
 def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
     """After the stage lines (``show_status``): where the draft is, its tau and the gate's
     verdict from evaluate's manifest, and the command to run next."""
+    from draftline.evaluate import gate
     from draftline.pipeline import artifacts
 
     out = []
@@ -329,41 +330,18 @@ def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
     if evaluated.exists():
         manifest = artifacts.read_json(evaluated)
         tau = manifest.get("offline", {}).get("eagle3", {})
-        gate = manifest.get("gate", {})
+        verdict = manifest.get("gate", {})
         if tau:
             out.append(f"       tau: {tau['tau']:.3f} [{tau['tau_ci'][0]:.3f}, {tau['tau_ci'][1]:.3f}] "
                        f"(offline, 95% CI; {run_dir / 'evaluate' / 'results.json'})")
-        out += [f"      gate: {line}" for line in gate_lines(gate)]
+        out += [f"      gate: {line}" for line in gate.lines(verdict)]
     elif (stamp := run_dir / "evaluate" / artifacts.STAMP).exists():
-        out.append(f"      gate: {planned_gate(artifacts.read_json(stamp).get('evaluate', {}))}")
+        out.append(f"      gate: {gate.planned(artifacts.read_json(stamp).get('evaluate', {}))}")
     stale = [line.split(":")[0].strip() for line in lines if ": STALE" in line]
     first = next((stage for stage in stale if stage != "rehearse"), None)
     out.append(f"      next: make {first} EXP={exp}" if first else
                f"      next: make report EXP={exp} (the page), make serve EXP={exp} (vLLM with the draft)")
     return out
-
-
-def gate_lines(gate: dict) -> list[str]:
-    """evaluate's gate verdict (stages.evaluate.judge) in words: what it checked, and why a
-    check is off."""
-    baseline, floor = gate.get("baseline"), gate.get("floor") or {}
-    if not isinstance(baseline, dict):  # a manifest from before the baseline gate
-        return ["passed" if gate.get("passed") else "not checked"]
-    best = f"{baseline['best']} [{baseline['best_tau_ci'][0]:.3f}, {baseline['best_tau_ci'][1]:.3f}]"
-    lines = [f"{'passed' if gate['passed'] else 'FAILED'}" if gate["checked"] else "not checked"]
-    lines.append(f"tau CI above the best baseline's, {best}" if baseline["checked"] else
-                 f"baseline check off: {baseline['off_because']} (best baseline {best})")
-    if floor.get("checked"):
-        lines.append(f"floor {floor['tau_min']} ({floor['file']})")
-    return ["; ".join(lines)]
-
-
-def planned_gate(evaluate: dict) -> str:
-    """What evaluate will hold the draft to, from its stamped config (before it has run)."""
-    baseline = evaluate.get("baseline_gate") or {}
-    if baseline.get("enabled", True):
-        return "evaluate fails unless the draft's tau CI lies above the baselines' (evaluate.baseline_gate)"
-    return f"baseline check off: {baseline.get('off_because')}"
 
 
 def accept(run_dir: Path, stage: str) -> list[str]:
@@ -459,15 +437,15 @@ def main() -> None:
         if saved["key"] == _cache_key(argv, saved["inputs"]):
             print(" ".join(saved["targets"]))  # Make's parse asks every time: skip typer and Hydra
             return
-    from draftline.pipeline import config
+    from draftline import errors
     from draftline.tiny import embedded
 
     try:
         build_cli()()
-    except (embedded.NotTheEmbeddedPath, NotAProjectPath, config.UserConfigError) as error:
+    except (embedded.NotTheEmbeddedPath, NotAProjectPath, errors.UserConfigError) as error:
         # A config mistake, not a failure of the code: its message (and hint) is the whole
         # story, so no traceback. Make's parse reads the gate's stdout: one line there.
-        config.refuse(error, one_line=argv[:1] == ["gate"])
+        errors.refuse(error, one_line=argv[:1] == ["gate"])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 
 from draftline import target
-from draftline.pipeline.config import CONF_DIR, LOCAL, UserConfigError
+from draftline.errors import UserConfigError
+from draftline.pipeline.config import CONF_DIR, LOCAL
 
 # Extraction runs on GPUs of at least this size (GB, 1e9 bytes): the common size of an A100 or
 # H100. Bigger GPUs (141 GB H200) fit more per GPU: lower tensor_parallel_size by hand there.
@@ -219,7 +220,8 @@ def check_data(data: str, tokenizer) -> None:
     """The first record of ``data`` is a conversation tokenize reads, and renders with the
     target's chat template; the rest is tokenize's business (tokenize.max_skipped)."""
     from draftline.tokenize.chat import assistant_char_spans
-    from draftline.tokenize.conversations import DataError, RecordSkip, normalize
+    from draftline.errors import DataError
+    from draftline.tokenize.conversations import RecordSkip, normalize
     from draftline.tokenize.sources import open_source
 
     try:
@@ -273,7 +275,7 @@ def model_yaml(facts: Target) -> str:
         remote = "no auto_map in its configs: transformers' and vLLM's own classes"
     lines = [
         f"# {s.architecture} target ({s.num_layers} layers, hidden {s.hidden_size}), written by `make init` from its",
-        "# config.json (draftline/pipeline/init.py). Its directory on this machine is model.path in the",
+        "# config.json (draftline/cli/init.py). Its directory on this machine is model.path in the",
         "# untracked conf/local.yaml, never here.",
         f"name: {facts.name}",
         _line("path: ???", "HF-layout model directory (required: conf/local.yaml or OVERRIDES)"),
@@ -302,7 +304,7 @@ def experiment_yaml(facts: Target) -> str:
     draft_vocab = min(DRAFT_VOCAB, facts.vocab_size)
     return "\n".join([
         "# @package _global_",
-        f"# The run on {facts.name}, written by `make init` (draftline/pipeline/init.py). model.path and",
+        f"# The run on {facts.name}, written by `make init` (draftline/cli/init.py). model.path and",
         "# data.path are this machine's: the untracked conf/local.yaml (or OVERRIDES) sets them.",
         "defaults:",
         f"  - override /model: {facts.name}",
@@ -424,7 +426,7 @@ def build_cli():
 
 
 def main() -> None:
-    from draftline.pipeline.config import refuse
+    from draftline.errors import refuse
 
     try:
         build_cli()()

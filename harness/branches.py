@@ -9,9 +9,9 @@ each of those forks. This runs, for the tiny Llama, DeepseekV3 and Kimi-K2.5 tar
   reference), TP=2 float32, TP=1 bf16, each slot of each prompt against transformers
   (float32) and against TP=1's rows. Extraction always runs eager (speculators' generator
   sets it), so there is no compiled extraction.
-* speculative decoding (evaluate's measurement, ``draftline.serve.measure_on``: greedy, one
+* speculative decoding (evaluate's measurement, ``draftline.serve.jobs.measure_on``: greedy, one
   prompt at a time, vLLM's counters read after every step) with a draft trained on the
-  target's own greedy replies (``draftline.tiny.drafts.overfit_draft``: it gets several
+  target's own greedy replies (``harness.drafts.overfit_draft``: it gets several
   tokens accepted per step, so tau can move): eager TP=1 (the reference), compiled TP=1,
   eager TP=2, compiled TP=2. The plain engine of eager TP=1 decodes the same prompts; with
   ``--own-plain`` every branch's own plain engine does too. Per branch: replies equal to
@@ -20,8 +20,8 @@ each of those forks. This runs, for the tiny Llama, DeepseekV3 and Kimi-K2.5 tar
   hidden states the target hands the draft and compares them with the stored TP=1 rows of the
   same prompt.
 
-    .venv/bin/python -m benchmarks.branches --own-plain           # the whole table
-    .venv/bin/python -m benchmarks.branches --models llama --root runs/_branches
+    .venv/bin/python -m harness.branches --own-plain           # the whole table
+    .venv/bin/python -m harness.branches --models llama --root runs/_branches
 
 The long test tier (CI) runs ``CI_SPECULATIVE``: eager TP=1, compiled (it carries the served
 capture) and compiled TP=2 (the flagship's own combination), without own plain engines: 7
@@ -65,9 +65,10 @@ from pathlib import Path
 
 import torch
 
-from draftline import engine, serve
+from draftline import engine
+from draftline.serve import jobs
 from draftline.engine import EngineOptions
-from draftline.tiny import capture
+from harness import capture
 
 TP2_TOLERANCE = 1e-5
 BF16_TOLERANCE = 0.05
@@ -158,10 +159,10 @@ def _speculative(request: dict) -> dict:
         prefill = llm.apply_model(capture.take)[0][0]  # rank 0, the prompt's forward
         save_file({str(slot): h[: len(prompt)].float().contiguous() for slot, h in enumerate(prefill)},
                   request["capture"]["out"])
-    result["speculative"] = serve.measure_on(llm, request)
-    serve._shutdown(llm)
+    result["speculative"] = jobs.measure_on(llm, request)
+    jobs._shutdown(llm)
     if request.get("plain", True):
-        result["plain"] = serve._generate_timed({**request, "draft": None, "k": None})
+        result["plain"] = jobs._generate_timed({**request, "draft": None, "k": None})
     return result
 
 
@@ -169,7 +170,7 @@ JOBS = {"extract": _extract, "speculative": _speculative}
 
 
 def _job(name: str, request: dict, options: EngineOptions) -> dict:
-    return serve.run_job(name, request, options, module="benchmarks.branches", jobs=JOBS)
+    return jobs.run_job(name, request, options, module="harness.branches", jobs=JOBS)
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -260,7 +261,8 @@ def run_model(model: Model, root: Path, branches: dict | None = None, reuse: boo
     from safetensors.torch import load_file
     from transformers import GenerationConfig
 
-    from draftline.tiny import drafts, targets
+    from draftline.tiny import targets
+    from harness import drafts
 
     root.mkdir(parents=True, exist_ok=True)
     target = getattr(targets, model.build)(root / "target", num_layers=model.num_layers)
@@ -396,7 +398,7 @@ def table(all_results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in JOBS:  # the child side of run_job
-        serve.main(argv, jobs=JOBS, module="benchmarks.branches")
+        jobs.main(argv, jobs=JOBS, module="harness.branches")
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))

@@ -1,6 +1,6 @@
 """Replay a finished run from its manifests and compare it with the original, stage by stage.
 
-    python -m draftline.reproduce runs/tiny-trained [--force] [--search DIR ...]
+    python -m draftline.cli.reproduce runs/tiny-trained [--force] [--search DIR ...]
     make reproduce FROM=runs/tiny-trained [FORCE=1]
 
 1. Reads every stage's manifest under FROM (the run dir may come from another host) and prints
@@ -178,7 +178,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     """Project-built targets are rebuilt when missing; anything else must be there."""
     from omegaconf import OmegaConf
 
-    from draftline.pipeline import status
+    from draftline.cli import status
 
     model = cfg["model"]
     if Path(model["path"], "config.json").exists():
@@ -207,7 +207,7 @@ def run_stage(stage: str, cfg: dict, work_dir: Path) -> float:
 # --------------------------------------------------------------------------- comparison
 
 
-# train's resume dir, train/<key>/ (stages.train.run_key: 12 hex digits).
+# train's resume dir, train/<key>/ (draftline.train.run.run_key: 12 hex digits).
 TRAIN_KEY_DIR = re.compile(r"[0-9a-f]{12}")
 
 
@@ -378,7 +378,7 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m draftline.reproduce", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m draftline.cli.reproduce", description=__doc__.split("\n")[0])
     parser.add_argument("from_dir", type=Path, help="the run dir to replay (its manifests)")
     parser.add_argument("--force", action="store_true", help="replay despite another revision, lock or patch queue")
     parser.add_argument("--search", type=Path, action="append", default=[], help="where to look for inputs by hash")

@@ -315,7 +315,7 @@ color:#555;max-width:300px}.ok{color:#1a7f37}.bad{color:#cf222e}code{font-size:0
 
 
 def gate_text(gate: dict) -> str:
-    """evaluate's gate verdict (stages.evaluate.judge) for the card: what it held the draft to."""
+    """evaluate's gate verdict (draftline.evaluate.gate.judge) for the card: what it held the draft to."""
     baseline, floor = gate.get("baseline") or {}, gate.get("floor") or {}
     held = []
     if baseline.get("checked"):

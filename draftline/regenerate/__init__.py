@@ -1,0 +1,1 @@
+"""regenerate's library: the target's own greedy replies in place of the data's."""

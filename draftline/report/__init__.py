@@ -1,0 +1,1 @@
+"""report's library: one HTML page of a run and its figures."""
