@@ -12,15 +12,11 @@ was measured.
 
 from __future__ import annotations
 
-import logging
-
 import hydra
 from omegaconf import DictConfig
 
 from draftline.evaluate.run import run
 from draftline.pipeline.stage import refuse_mistakes, run_stage
-
-log = logging.getLogger("draftline.evaluate")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -10,15 +10,11 @@ new replies.  Downstream stages read samples and vocabulary from this stage's ma
 
 from __future__ import annotations
 
-import logging
-
 import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline.stage import refuse_mistakes, run_stage
 from draftline.regenerate.run import run
-
-log = logging.getLogger("draftline.regenerate")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

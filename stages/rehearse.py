@@ -23,12 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline.stage import refuse_mistakes, run_stage
-
-
-def run(cfg: DictConfig) -> dict:
-    from draftline.rehearse.run import rehearse
-
-    return rehearse(cfg)
+from draftline.rehearse.run import run
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

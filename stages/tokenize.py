@@ -7,15 +7,11 @@ Run as a module: a script named tokenize.py would shadow the standard library's 
 
 from __future__ import annotations
 
-import logging
-
 import hydra
 from omegaconf import DictConfig
 
 from draftline.pipeline.stage import refuse_mistakes, run_stage
 from draftline.tokenize.run import run
-
-log = logging.getLogger("draftline.tokenize")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

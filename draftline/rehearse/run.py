@@ -1,6 +1,6 @@
 """The rehearsal in order: cost, miniature, extraction, speculative decoding, `vllm serve`.
 
-``rehearse(cfg)`` is the stage's work. Extraction starts exactly as `make extract` starts it
+``run(cfg)`` is the stage's work. Extraction starts exactly as `make extract` starts it
 (draftline.extract's generator and writer). Every engine
 starts through draftline.engine's builder on the run's config with the model group pointed at
 the miniature (draftline.rehearse.scope). The first failing check raises.
@@ -59,7 +59,7 @@ def miniature_check(cfg: DictConfig, plan: scope.Scope, out_dir: Path):
     return built, built.layers.describe()
 
 
-def rehearse(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig) -> dict:
     """Every check in order (logged with PASS/FAIL and seconds); the manifest's fields."""
     from draftline.regenerate import greedy
     from draftline.rehearse import miniature
