@@ -376,6 +376,10 @@ def _text_model(text: dict, seed: int):
                             torch.randn(gate.e_score_correction_bias.shape) * 0.02)
         else:
             model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # attention sinks as gpt-oss stores them: bfloat16 values (patches/vllm/0005)
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.copy_(param.to(torch.bfloat16))
     return model.eval()
 
 
