@@ -22,7 +22,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 # weightless directory -> model_type; each a public model's config.json (its README.md says where from)
 SHAPED = {"llama-3.1-8b-shaped": "llama", "qwen2.5-7b-shaped": "qwen2", "qwen3-8b-shaped": "qwen3",
           "qwen3-30b-a3b-shaped": "qwen3_moe", "gpt-oss-20b-shaped": "gpt_oss",
-          "kimi-k2.5-shaped": "kimi_k25"}
+          "kimi-k2.5-shaped": "kimi_k25", "hy-mt2-7b-shaped": "hunyuan_v1_dense"}
 
 
 def text_of(name: str) -> dict:
@@ -108,7 +108,8 @@ def test_a_family_outside_the_table_is_refused_before_anything_loads(tmp_path):
 @pytest.mark.parametrize("name", [pytest.param("qwen3-30b-a3b-shaped", marks=pytest.mark.long),
                                   pytest.param("gpt-oss-20b-shaped", marks=pytest.mark.long),
                                   pytest.param("qwen3-8b-shaped", marks=pytest.mark.long),
-                                  pytest.param("qwen2.5-7b-shaped", marks=pytest.mark.long)])
+                                  pytest.param("qwen2.5-7b-shaped", marks=pytest.mark.long),
+                                  pytest.param("hy-mt2-7b-shaped", marks=pytest.mark.long)])
 def test_the_miniature_loads_and_runs_in_transformers_with_each_layers_kind(tmp_path, name):
     text = text_of(name)
     built = miniature.build_miniature(ASSETS / name, tmp_path / "mini", aux_layer_ids(int(text["num_hidden_layers"])))
