@@ -305,11 +305,9 @@ def harmony_vocab_loads(model_type: str) -> None:
     try:
         load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     except HarmonyError as error:
-        raise RuntimeError(
-            f"`vllm serve` of a gpt-oss target needs openai_harmony's o200k_base vocab, which this "
-            f"machine can neither download nor read ({error}): put o200k_base.tiktoken in a folder "
-            f"and set TIKTOKEN_ENCODINGS_BASE to it, or rehearse without serving "
-            f"(rehearse.skip=[serve])") from error
+        raise RuntimeError(  # the remedy first: the FAIL line keeps the first 200 characters
+            f"gpt-oss: `vllm serve` needs openai_harmony's o200k_base vocab: set TIKTOKEN_ENCODINGS_BASE "
+            f"to a folder holding o200k_base.tiktoken, or rehearse.skip=[serve] ({error})") from error
 
 
 def serving(options, draft: Path, k: int, prompt: list[int], max_tokens: int, log_path: Path,
