@@ -80,7 +80,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("kimi_k2", "DeepseekV3ForCausalLM", "moonshotai/Kimi-K2-Instruct", True),
     Family("kimi_k25", "KimiK25ForConditionalGeneration", "moonshotai/Kimi-K2.5", True),
     Family("llama4", "Llama4ForConditionalGeneration", "meta-llama/Llama-4-Scout-17B-16E-Instruct", False),
-    Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "tencent/Hunyuan-7B-Instruct", False),
+    Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "tencent/Hy-MT2-7B", True),
     Family("llava", "LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf", False),
     Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen/Qwen2.5-VL-7B-Instruct", False),
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-8B-Instruct", False),

@@ -22,7 +22,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 # weightless directory -> model_type; each a public model's config.json (its README.md says where from)
 SHAPED = {"llama-3.1-8b-shaped": "llama", "qwen2.5-7b-shaped": "qwen2", "qwen3-8b-shaped": "qwen3",
           "qwen3-30b-a3b-shaped": "qwen3_moe", "gpt-oss-20b-shaped": "gpt_oss",
-          "kimi-k2.5-shaped": "kimi_k25"}
+          "kimi-k2.5-shaped": "kimi_k25", "hy-mt2-7b-shaped": "hunyuan_v1_dense"}
 
 
 def text_of(name: str) -> dict:
@@ -108,7 +108,8 @@ def test_a_family_outside_the_table_is_refused_before_anything_loads(tmp_path):
 @pytest.mark.parametrize("name", [pytest.param("qwen3-30b-a3b-shaped", marks=pytest.mark.long),
                                   pytest.param("gpt-oss-20b-shaped", marks=pytest.mark.long),
                                   pytest.param("qwen3-8b-shaped", marks=pytest.mark.long),
-                                  pytest.param("qwen2.5-7b-shaped", marks=pytest.mark.long)])
+                                  pytest.param("qwen2.5-7b-shaped", marks=pytest.mark.long),
+                                  pytest.param("hy-mt2-7b-shaped", marks=pytest.mark.long)])
 def test_the_miniature_loads_and_runs_in_transformers_with_each_layers_kind(tmp_path, name):
     text = text_of(name)
     built = miniature.build_miniature(ASSETS / name, tmp_path / "mini", aux_layer_ids(int(text["num_hidden_layers"])))
@@ -120,3 +121,48 @@ def test_the_miniature_loads_and_runs_in_transformers_with_each_layers_kind(tmp_
     assert kinds == list(built.layers.kinds)
     states = miniature.reference_hidden_states(model, list(range(3, 40)))
     assert len(states) == len(built.layers.kept) + 1 and all(s.isfinite().all() for s in states)
+    sinks = [p for n, p in model.named_parameters() if n.endswith(".sinks")]
+    assert len(sinks) == (len(states) - 1 if name.startswith("gpt-oss") else 0)
+    # bfloat16 values, as in gpt-oss's checkpoints: the CPU kernel's bfloat16 copy is exact (patches/vllm/0005)
+    assert all(p.equal(p.bfloat16().float()) and p.abs().sum() > 0 for p in sinks)
+
+
+def _attention_with_sinks(q, k, v, sinks, window: int | None):
+    """Causal attention [T, heads, D] whose softmax has one more logit per head (the sink)
+    that takes weight and gives no value: gpt-oss's attention, in plain torch."""
+    import torch
+
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * q.shape[-1] ** -0.5  # [heads, T, T]
+    query, key = torch.arange(len(q))[:, None], torch.arange(len(q))[None, :]
+    hidden = (key > query) | ((query - key >= window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(heads, len(q), 1)
+    weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.einsum("hts,shd->thd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_cpu_attention_takes_a_float32_models_sinks(window):
+    """patches/vllm/0005: vLLM's CPU attention kernel reads sinks as bfloat16 only; a float32
+    gpt-oss (the rehearsal's dtype) has float32 sinks. The backend, as gpt-oss's layers call
+    it, gives plain attention-with-sinks in float32 (full and sliding layers)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+
+    tokens, heads, kv_heads, size, block = 9, 4, 2, 64, 32
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, n, size, generator=generator) for n in (heads, kv_heads, kv_heads))
+    sinks = (torch.randn(heads, generator=generator) * 2).bfloat16().float()  # a checkpoint's bf16 values
+    impl = CPUAttentionBackendImpl(heads, size, size ** -0.5, kv_heads, None, window, "auto", sinks=sinks)
+    starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(1, heads, kv_heads, size, lengths, torch.float32, starts,
+                                                   True, window or -1, "vec", True)
+    metadata = CPUAttentionMetadata("vec", tokens, tokens, starts, tokens, lengths,
+                                    torch.zeros(1, 1, dtype=torch.int32), torch.arange(tokens), schedule)
+    kv_cache = torch.zeros(2, 1, kv_heads, block, size)
+    output = impl.forward(None, q, k, v, kv_cache, metadata, output=torch.empty_like(q))
+    assert output.dtype == torch.float32 and impl.sinks.dtype == torch.float32
+    torch.testing.assert_close(output, _attention_with_sinks(q, k, v, sinks, window), atol=2e-6, rtol=1e-5)

@@ -149,7 +149,8 @@ def test_the_shipped_examples_compose_with_vllms_aux_ids(name, layers):
 # (layers, vLLM's default aux ids, suggested TP from the estimated weights, remote code).
 FAMILIES = {"llama-3.1-8b-shaped": (32, [2, 16, 29], 1, False), "qwen2.5-7b-shaped": (28, [2, 14, 25], 1, False),
             "qwen3-8b-shaped": (36, [2, 18, 33], 1, False), "qwen3-30b-a3b-shaped": (48, [2, 24, 45], 2, False),
-            "gpt-oss-20b-shaped": (24, [2, 12, 21], 1, False), "kimi-k2.5-shaped": (61, [2, 30, 58], 8, True)}
+            "gpt-oss-20b-shaped": (24, [2, 12, 21], 1, False), "kimi-k2.5-shaped": (61, [2, 30, 58], 8, True),
+            "hy-mt2-7b-shaped": (32, [2, 16, 29], 1, False)}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -242,10 +242,11 @@ def _manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "rehearse" / "manifest.json").read_text())
 
 
-def _check_rehearsal(run_dir: Path, output: str) -> dict:
+def _check_rehearsal(run_dir: Path, output: str, skipped: tuple[str, ...] = ()) -> dict:
     manifest = _manifest(run_dir)
     names = [c["name"] for c in manifest["checks"]]
-    assert names == ["cost", "miniature", "extraction vs HF", "speculative decoding", "vllm serve"]
+    assert names == [n for n in ("cost", "miniature", "extraction vs HF", "speculative decoding", "vllm serve")
+                     if n not in skipped]
     assert all(c["passed"] for c in manifest["checks"])
     for name in names:  # each printed with PASS and its seconds
         assert re.search(rf"PASS  {re.escape(name)} +\d+\.\d s", output), name
@@ -314,12 +315,16 @@ def _family_overrides(model_dir: Path, data: Path) -> tuple[str, ...]:
             f"model.dtype={facts.dtype}", "tokenize.seq_length=512", "extract.max_model_len=1024")
 
 
+# Checks a family's directory cannot pass on this machine (docs/families.md says why), with the
+# reason the rehearsal gives: gpt-oss's `vllm serve` needs openai_harmony's vocab file, which an
+# offline machine lacks (test_serving_a_gpt_oss_without_its_harmony_vocab_is_one_line_before_any_server).
+SKIPPED_HERE = {"gpt-oss-20b-shaped": "serve"}  # directory -> the rehearse.skip name of its check
+
+
 @pytest.mark.vllm
 @pytest.mark.long
-# gpt-oss is left out: its miniature's extraction fails in the CPU engine's worker ("expected
-# scalar type BFloat16 but found Float" in _capture_step, float32 run); docs/families.md.
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-shaped", "qwen3-8b-shaped", "qwen2.5-7b-shaped",
-                                  "llama-3.1-8b-shaped"])
+                                  "llama-3.1-8b-shaped", "gpt-oss-20b-shaped", "hy-mt2-7b-shaped"])
 def test_each_familys_weightless_directory_rehearses(tmp_path, name):
     """docs/families.md's engine cells: the miniature, extraction against transformers per slot,
     greedy speculative decoding equal to the plain engine, `vllm serve`, on the CPU engine."""
@@ -330,15 +335,35 @@ def test_each_familys_weightless_directory_rehearses(tmp_path, name):
     data = tmp_path / "chats.jsonl"
     data.write_bytes(Path(embedded.data.path).read_bytes())
     overrides = _family_overrides(REPO / "tests/assets" / name, data)
+    skip = SKIPPED_HERE.get(name)
+    if skip:
+        overrides += (f"rehearse.skip=[{skip}]",)
     run_dir = _tokenized(tmp_path, "qwen3-8b", *overrides)
     start = time.monotonic()
     result = _stage("rehearse", "qwen3-8b", run_dir, *overrides)
     print(f"\n{name}: rehearsal {time.monotonic() - start:.0f} s")
     output = result.stdout + result.stderr
-    manifest = _check_rehearsal(run_dir, output)
+    manifest = _check_rehearsal(run_dir, output, ("vllm serve",) if skip == "serve" else ())
+    if skip:
+        assert {"what": f"check {skip}", "reason": "rehearse.skip"} in manifest["not_rehearsed"]
     print("\n".join(line for line in output.splitlines() if "PASS" in line or "not rehearsed" in line))
     mini = manifest["miniature"]
     assert _kinds_in_transformers(mini["path"]) == [kind.split("/")[0] for kind in mini["layer_kinds"]]
+
+
+def test_serving_a_gpt_oss_without_its_harmony_vocab_is_one_line_before_any_server(tmp_path):
+    """vLLM's OpenAI server needs openai_harmony's o200k_base vocab for gpt-oss and exits at
+    start without it; an empty TIKTOKEN_ENCODINGS_BASE stands for a machine that has none."""
+    from conftest import environment
+    from draftline.rehearse import checks
+
+    with environment({"TIKTOKEN_ENCODINGS_BASE": str(tmp_path)}):
+        checks.harmony_vocab_loads("llama")  # other families do not need it
+        with pytest.raises(RuntimeError) as failed:
+            checks.harmony_vocab_loads("gpt_oss")
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith("gpt-oss: `vllm serve` needs openai_harmony's o200k_base vocab")
+    assert "TIKTOKEN_ENCODINGS_BASE" in line[:200] and "rehearse.skip=[serve]" in line[:200]  # the FAIL line's share
 
 
 @pytest.mark.vllm

@@ -293,11 +293,29 @@ def _tail(path: Path, chars: int = 12000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+def harmony_vocab_loads(model_type: str) -> None:
+    """vLLM 0.16's OpenAI server renders and stops gpt-oss replies with openai_harmony, whose
+    encoding needs the o200k_base vocab file (downloaded, or read from the folder named by
+    TIKTOKEN_ENCODINGS_BASE, checked against its sha256); without it `vllm serve` exits at
+    start. Raises one line saying so, in a second, before a server is started."""
+    if model_type != "gpt_oss":
+        return
+    from openai_harmony import HarmonyEncodingName, HarmonyError, load_harmony_encoding
+
+    try:
+        load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except HarmonyError as error:
+        raise RuntimeError(  # the remedy first: the FAIL line keeps the first 200 characters
+            f"gpt-oss: `vllm serve` needs openai_harmony's o200k_base vocab: set TIKTOKEN_ENCODINGS_BASE "
+            f"to a folder holding o200k_base.tiktoken, or rehearse.skip=[serve] ({error})") from error
+
+
 def serving(options, draft: Path, k: int, prompt: list[int], max_tokens: int, log_path: Path,
             timeout: float) -> tuple[dict, str]:
     """`vllm serve` of miniature + draft (make serve's command line) answers one completion."""
     from draftline.serve import jobs
 
+    harmony_vocab_loads(json.loads((Path(options.target) / "config.json").read_text()).get("model_type", ""))
     port = _free_port()
     command = jobs.serve_command(options, draft, k, host="127.0.0.1", port=port)
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]

@@ -314,6 +314,8 @@ def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_siz
                             f"the miniature uses {_cpu_head_size(head)}"})
             head = _cpu_head_size(head)
         mini.update(head_dim=head, hidden_size=heads * head)
+        if "attention_head_dim" in text:  # HunYuan's second spelling of head_dim (vLLM reads either)
+            mini["attention_head_dim"] = head
         mini.update(_experts(text, (per_rank or EXPERT_MLP) * max(1, tensor_parallel_size),
                              MLP * max(1, tensor_parallel_size)))
     mini.update(layer_fields(text, plan))
@@ -376,6 +378,10 @@ def _text_model(text: dict, seed: int):
                             torch.randn(gate.e_score_correction_bias.shape) * 0.02)
         else:
             model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # attention sinks as gpt-oss stores them: bfloat16 values (patches/vllm/0005)
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.copy_(param.to(torch.bfloat16))
     return model.eval()
 
 
@@ -415,8 +421,11 @@ def _state(model, prefix: str, dtype: str, quant: dict | None) -> dict:
     ignore = list((quant or {}).get("ignore") or [])
     group = int(next(iter((quant or {}).get("config_groups", {}).values()), {}).get("weights", {})
                 .get("group_size") or 0) if quant else 0
-    state = {}
+    state, stored = {}, set()
     for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in stored:  # a tied weight (lm_head = embed_tokens): checkpoints hold it once
+            continue
+        stored.add(tensor.data_ptr())
         full = prefix + name
         if quant and name in linear and not _is_ignored(full, ignore):
             stem = full.removesuffix(".weight")
