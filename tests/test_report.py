@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftline import formats
-from draftline.report import page
+from draftline.report import page as report_page
 from draftline.pipeline import artifacts, config
 
 from conftest import compose
@@ -34,7 +34,7 @@ LOG = """\
 
 
 def test_train_log_gives_the_last_complete_run():
-    rows = page.parse_train_log(LOG, total_steps=3)
+    rows = report_page.parse_train_log(LOG, total_steps=3)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["loss"] == 2.5 and rows[2]["full_acc_0"] == 0.4 and rows[1]["cond_acc_1"] == 0.3
 
@@ -135,7 +135,7 @@ def test_the_page_has_one_name_per_method(run_dir):
     page = _text((run_dir / "report/index.html").read_text())
     for key in ("eagle3", "most_frequent", "trained draft"):
         assert key not in page, key
-    for name in page.METHODS.values():
+    for name in report_page.METHODS.values():
         assert page.count(name) >= 2, name  # its card and its table row at least
 
 
@@ -217,19 +217,19 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
 def test_the_time_split_says_whether_the_capture_path_held_the_forwards_up():
     driver = {"writer": "driver", "forward_s": 10.0, "waiting_s": 0.0, "writing_s": 30.0,
               "writing_overlaps_forward": False, "capture_share": 0.75, "capture_bound": True}
-    assert page.time_split_text(driver) == (
+    assert report_page.time_split_text(driver) == (
         "forward 10.0 s, waiting on copies or the writer 0.0 s, writing 30.0 s (between the "
         "forwards, in this process); capture-bound: the forwards waited on the capture path (75% "
         "of the time; writer driver)")
-    assert page.time_split_text(None).startswith("not recorded")
+    assert report_page.time_split_text(None).startswith("not recorded")
 
 
 def test_the_extraction_card_explains_its_two_rates():
     shards = [{"tokens": 200, "seconds": 0.5}, {"tokens": 100, "seconds": 0.25}]
-    assert page.extraction_text({"tokens_per_second": 150.0, "shards": shards}) == (
+    assert report_page.extraction_text({"tokens_per_second": 150.0, "shards": shards}) == (
         "150 tok/s<small>whole run, target load included; 400 tok/s in generate calls alone</small>")
-    resumed = page.extraction_text({"tokens_per_second": 0.0, "shards": shards})
+    resumed = report_page.extraction_text({"tokens_per_second": 0.0, "shards": shards})
     assert resumed.startswith("400 tok/s") and "resumed all 2 shards" in resumed
     untimed = [{"tokens": 200}, {"tokens": 100}]
-    assert page.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
+    assert report_page.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
         "150 tok/s<small>whole run, target load included</small>")
