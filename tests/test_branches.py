@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import branches
+from harness import branches
 from draftline.rehearse.checks import FLIPPED_SHARE
 
 
