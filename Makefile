@@ -214,9 +214,10 @@ $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json
 # evaluate in vLLM, serve. Order-only: a rehearsal rerun by a code edit never makes a finished
 # extraction stale. Which ones is the config's answer, asked when Make parses (for every goal
 # that composes the config: `make help` never does) and kept in $(RUN)/.gate-answer while
-# nothing it read changed (when_changed.sh), so a repeated `make` stays quick. Asking then also refuses a config mistake (a
-# misspelled key or experiment, a path that does not exist, a required value unset) before any
-# recipe, in the one line `$(error)` prints: a failing recipe would add Make's own line.
+# nothing it read changed (when_changed.sh), so a repeated `make` stays quick. Asking then also
+# refuses a config mistake (a misspelled key or experiment, a path that does not exist, a
+# required value unset) before any recipe, in the one line `$(error)` prints: a failing recipe
+# would add Make's own line.
 LOADS_TARGET := regenerate extract extract-slice prepare train evaluate report all serve
 COMPOSES := tokenize rehearse status accept $(LOADS_TARGET)
 REHEARSED :=

@@ -357,7 +357,9 @@ def test_status_before_the_stages_says_setup_is_stale_and_what_would_rerun(tmp_p
     run = _run(tmp_path, stages=STAGES[:4])
     _edit_record(run / "extract", lambda record: record["patches"].update(vllm=deps.applied_queue("vllm")))
     patches = sorted(folder.iterdir())
-    _set_mtime(lock, T0), _set_mtime(stamp, T0 + SECOND), *(_set_mtime(p, T0) for p in patches)
+    for path in (lock, *patches):
+        _set_mtime(path, T0)
+    _set_mtime(stamp, T0 + SECOND)
     setup = _rule(stamp, lock, *patches)
     assert status.before_stages(run, setup, None) == (["     setup: up to date"], {}, False)
     patches[1].write_text(patches[1].read_text() + "\n")  # newer than the stamp, and another queue

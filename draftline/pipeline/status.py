@@ -35,8 +35,6 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _environment_files() -> list[Path]:
     """Stats that move when packages are installed or removed, or a patch queue re-applied."""
@@ -394,31 +392,46 @@ def before_stages(run_dir: Path, setup: str | None, target: str | None) -> tuple
     the reasons each stage would then be stale (``show_status``'s ``later``), and whether
     setup is stale. ``setup``, ``target``: Make's rules ("TARGET PREREQUISITE ...") of the
     setup stamp (the lock first) and of the trained tiny target (EXP=tiny-trained)."""
-    lines, later, setup_stale = [], {}, False
+    lines, later, rewritten = [], {}, None
     if setup:
-        stamp, lock = setup.split()[:2]
-        why = remade_because(setup)
-        setup_stale = bool(why)
-        lines.append("     setup: " + (
-            f"STALE - {', '.join(why)}: `make setup`, which every stage target runs first, would "
-            f"re-sync the venv from {lock} and re-apply both patch queues" if why else "up to date"))
-        later = after_setup(run_dir, Path(lock)) if why else {}
+        line, later = _setup_said(run_dir, setup)
+        lines.append(line)
+        rewritten = setup.split()[0] if later is not None else None
+    later = later or {}
     if target:
-        built, *inputs = target.split()
-        why = remade_because(target)
-        if setup_stale and setup.split()[0] in inputs and why == []:
-            why = [f"{setup.split()[0]} is rewritten by `make setup` first"]
-        directory = Path(built).parent
-        lines.append("    target: " + (
-            f"STALE - {', '.join(why)}: `make target`, which every stage target runs first, would "
-            f"train {directory} (minutes)" if why else "up to date"))
-        for stage in reading(run_dir, directory) if why else []:
-            later.setdefault(stage, []).append(f"after `make target`: {directory} is rebuilt")
+        line, rebuilt = _target_said(run_dir, target, rewritten)
+        lines.append(line)
+        for stage, reasons in rebuilt.items():
+            later.setdefault(stage, []).extend(reasons)
     for path, build in missing_assets(run_dir):
         lines.append(f"    assets: {path} is missing: `make` of any stage builds it first ({build}, deterministic)")
         for stage in reading(run_dir, Path(path)):
             later.setdefault(stage, []).append(f"after `make`: {path} is built")
-    return lines, later, setup_stale
+    return lines, later, rewritten is not None
+
+
+def _setup_said(run_dir: Path, setup: str) -> tuple[str, dict | None]:
+    """Setup's line, and what its rerun would make stale (None: it would not rerun)."""
+    lock = setup.split()[1]
+    why = remade_because(setup)
+    if not why:
+        return "     setup: up to date", None
+    return (f"     setup: STALE - {', '.join(why)}: `make setup`, which every stage target runs first, would "
+            f"re-sync the venv from {lock} and re-apply both patch queues"), after_setup(run_dir, Path(lock))
+
+
+def _target_said(run_dir: Path, target: str, rewritten: str | None) -> tuple[str, dict]:
+    """The trained target's line, and what its rebuild would make stale; ``rewritten``: the
+    setup stamp when setup reruns first, which the target depends on."""
+    built, *inputs = target.split()
+    why = remade_because(target) or ([f"{rewritten} is rewritten by `make setup` first"]
+                                     if rewritten in inputs else [])
+    directory = Path(built).parent
+    if not why:
+        return "    target: up to date", {}
+    return (f"    target: STALE - {', '.join(why)}: `make target`, which every stage target runs first, "
+            f"would train {directory} (minutes)",
+            {stage: [f"after `make target`: {directory} is rebuilt"] for stage in reading(run_dir, directory)})
 
 
 def gate_lines(gate: dict) -> list[str]:
