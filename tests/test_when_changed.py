@@ -43,6 +43,9 @@ def test_a_step_runs_once_then_only_when_what_it_read_changed(checkout):
     assert first.returncode == 0 and runs(checkout) == 1
     assert first.stdout.splitlines()[0].startswith("bash -c ")  # echoed, as Make echoes a recipe
     assert step(checkout, "a=1").stdout == "" and runs(checkout) == 1  # nothing changed: not started
+    # Its record, written whole and readable by all; no temporary file left.
+    assert sorted(p.name for p in (checkout / "runs/e").iterdir()) == [".s-inputs", ".s-stats"]
+    assert (checkout / "runs/e/.s-stats").stat().st_mode & 0o777 == 0o644
     step(checkout, "a=2")  # other arguments (overrides)
     assert runs(checkout) == 2
     expected = 2

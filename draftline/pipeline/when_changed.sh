@@ -29,6 +29,16 @@ listing() {
   fi
 }
 
+# Written whole (readable by all, as the stages' files), then renamed: the hosts of a
+# multi-host extraction share the run dir.
+write() {
+  local tmp
+  tmp=$(mktemp "$1.XXXXXX")
+  cat > "$tmp"
+  chmod 644 "$tmp"
+  mv "$tmp" "$1"
+}
+
 if [ -f "$state-stats" ] && listing "$@" | cmp -s - "$state-stats"; then
   if [ -n "$answer" ]; then cat "$state-answer"; fi
   exit 0
@@ -38,12 +48,11 @@ if [ -n "$answer" ]; then
   # A refusal is the answer's one line too (exit 2, draftline.pipeline.status main): pass it on.
   out=$("$@") || { code=$?; printf '%s\n' "$out"; exit "$code"; }
   mkdir -p "$(dirname "$state")"
-  printf '%s\n' "$out" > "$state-answer"
+  printf '%s\n' "$out" | write "$state-answer"
 else
   printf '%s\n' "$*"
   "$@"
   mkdir -p "$(dirname "$state")"
 fi
-listing "$@" > "$state-stats.tmp"
-mv "$state-stats.tmp" "$state-stats"
+listing "$@" | write "$state-stats"
 if [ -n "$answer" ]; then cat "$state-answer"; fi
