@@ -80,7 +80,9 @@ $(TOOLS)/bin/uv:
 # transformers from source again (17 s to import vLLM's CPU worker against 10 s compiled, on
 # 2 cores), and each engine start spawns two such processes. compileall after the appliers
 # rewrites only the patched modules' stale .pyc files.
-$(VENV)/.setup-$(STACK): requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) draftline/patchq.py | $(UV)
+# `make status` reads this rule's prerequisites (the lock first) to say why setup is stale.
+SETUP_INPUTS = requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) draftline/patchq.py
+$(VENV)/.setup-$(STACK): $(SETUP_INPUTS) | $(UV)
 	[ -x $(PY) ] || $(UV) venv --quiet --python $(PYTHON) $(VENV)
 	$(UV) pip sync --quiet --compile-bytecode --python $(PY) requirements/$(STACK).lock
 	$(PY) -m draftline.patchq apply --replace
@@ -158,32 +160,42 @@ STAGES := tokenize rehearse regenerate extract prepare train evaluate report
 STAMPS := $(foreach s,$(STAGES),$(RUN)/$(s)/config.json $(RUN)/$(s)/deps.json)
 MANIFESTS := $(foreach s,$(STAGES),$(RUN)/$(s)/manifest.json)
 
+# The Python steps Make runs on every call (the rehearsal's wait, assets, stamp, the trained
+# target's code) go through this script: it skips a step while nothing the step read changed
+# since its last success (its arguments, conf/, the code, the files the step named), so a
+# no-op `make all` starts no Python. It echoes the command when it runs it.
+WHEN_CHANGED := bash draftline/cli/when_changed.sh
+
 # Project-made inputs, each built by a rule of its own before any stamp is written.
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
 # cached under runs/_assets/ like any stage output; its code is the import closure of its
 # builder, read from the imports (draftline.pipeline.deps uses the standard library only).
 TRAINED_TARGET := $(ASSETS)/tiny-trained/build.json
-TRAINED_TARGET_CODE = $(shell $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
+TRAINED_TARGET_CODE = $(shell $(WHEN_CHANGED) --answer $(RUN)/.target-code \
+  $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
+TRAINED_TARGET_INPUTS = $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
+  $(VENV)/.setup-$(STACK)
 
 .PHONY: FORCE
-$(TRAINED_TARGET): $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
-    $(VENV)/.setup-$(STACK)
+$(TRAINED_TARGET): $(TRAINED_TARGET_INPUTS)
 	$(PY) -m draftline.tiny.trained experiment=tiny-trained
 
 # The experiment's other inputs, what its composed config names: the tiny random target of its
 # model config (build: tiny_llama, ...) and the embedded conversation set, built deterministically
 # when missing (draftline.cli.status assets). Which ones is the config's answer, so the
-# rule asks it every time and records it in $(RUN)/.assets-cache.json, rewritten only when the
-# config or the code changed. A dry run prints this recipe and runs nothing.
-EXP_ASSETS := $(RUN)/.assets-cache.json
+# rule asks it whenever the config, the code or an asset changed, and it records what it read
+# in $(RUN)/.assets-inputs. A dry run prints this recipe and runs nothing.
+EXP_ASSETS := $(RUN)/.assets-inputs
 $(EXP_ASSETS): FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
-	$(PY) -m draftline.cli.status assets $(EXP) -- $(OVERRIDES)
+	@$(WHEN_CHANGED) $(RUN)/.assets $(PY) -m draftline.cli.status assets $(EXP) -- $(OVERRIDES)
 
 # `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would
-# rerun; it writes only under runs/$(EXP)/ and builds nothing. The inputs come first
-# (order-only: rebuilding an asset reruns no stage by itself; its path and config do).
+# rerun; it writes only under runs/$(EXP)/ and builds nothing (`make status` runs it alone).
+# The inputs come first (order-only: rebuilding an asset reruns no stage by itself; its path
+# and config do).
+STAMP = $(WHEN_CHANGED) $(RUN)/.stamp $(PY) -m draftline.cli.status stamp $(EXP) -- $(OVERRIDES)
 $(STAMPS) &: FORCE $(VENV)/.setup-$(STACK) | $(EXP_ASSETS)
-	+$(PY) -m draftline.cli.status stamp $(EXP) -- $(OVERRIDES)
+	+@$(STAMP)
 
 # Every stage is `python -m stages.<stage>`, rerun when one of its stamps changed ...
 $(MANIFESTS): $(RUN)/%/manifest.json: $(RUN)/%/config.json $(RUN)/%/deps.json
@@ -201,20 +213,21 @@ $(RUN)/report/manifest.json: $(RUN)/evaluate/manifest.json
 # rehearse.min_target_gb (or rehearse.enabled=true): extract, regenerate with replies=target,
 # evaluate in vLLM, serve. Order-only: a rehearsal rerun by a code edit never makes a finished
 # extraction stale. Which ones is the config's answer, asked when Make parses (for every goal
-# that composes the config: `make help` never does) and cached under runs/$(EXP)/ by file
-# stats, so a repeated `make` stays quick. Asking then also refuses a config mistake (a
-# misspelled key or experiment, a path that does not exist, a required value unset) before any
-# recipe, in the one line `$(error)` prints: a failing recipe would add Make's own line.
+# that composes the config: `make help` never does) and kept in $(RUN)/.waits-answer while
+# nothing it read changed (when_changed.sh), so a repeated `make` stays quick. Asking then also
+# refuses a config mistake (a misspelled key or experiment, a path that does not exist, a
+# required value unset) before any recipe, in the one line `$(error)` prints: a failing recipe
+# would add Make's own line.
 LOADS_TARGET := regenerate extract extract-slice prepare train evaluate report all serve
 COMPOSES := tokenize rehearse status accept $(LOADS_TARGET)
 REHEARSED :=
 ifneq ($(and $(wildcard $(PY)),$(filter $(COMPOSES) $(RUN)/%,$(MAKECMDGOALS))),)
-REHEARSED := $(shell $(PY) -m draftline.cli.status gate $(EXP) -- $(OVERRIDES))
+REHEARSED := $(shell $(WHEN_CHANGED) --answer $(RUN)/.waits $(PY) -m draftline.cli.status waits $(EXP) -- $(OVERRIDES))
 ifeq ($(.SHELLSTATUS),2)
-# The gate printed the mistake, message and hint, as its one line (draftline.cli.status main).
+# The wait query printed the mistake, message and hint, as its one line (draftline.cli.status main).
 $(error $(REHEARSED))
 else ifneq ($(.SHELLSTATUS),0)
-$(error `draftline.cli.status gate $(EXP)` failed (above): cannot tell whether to rehearse first)
+$(error `draftline.cli.status waits $(EXP)` failed (above): cannot tell whether to rehearse first)
 endif
 endif
 ifneq ($(strip $(REHEARSED)),)
@@ -250,8 +263,14 @@ serve: | $(RUN)/train/manifest.json ## Serve the target with its draft: `vllm se
 	$(PY) -m stages.serve $(STAGE_ARGS)
 
 .PHONY: status accept
-status: $(STAMPS) ## Say which stages are stale and why (config, code, packages, patches, upstream)
-	@$(PY) -m draftline.cli.status show $(RUN) --exp $(EXP)
+# Status builds nothing: it writes the stamps (under runs/$(EXP)/ only) without their rule's
+# prerequisites, and says what Make would redo first (setup, the trained target, missing
+# assets) and which stages that would make stale.
+status: ## Say which stages are stale and why (setup, config, code, packages, patches, upstream); builds nothing
+	@[ -x $(PY) ] || { echo "make status: no $(PY): run make setup first" >&2; exit 1; }
+	+@$(STAMP)
+	@$(PY) -m draftline.cli.status show $(RUN) --exp $(EXP) --setup "$(VENV)/.setup-$(STACK) $(SETUP_INPUTS)" \
+	  $(if $(filter tiny-trained,$(EXP)),--target "$(TRAINED_TARGET) $(TRAINED_TARGET_INPUTS)")
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }

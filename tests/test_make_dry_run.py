@@ -90,7 +90,7 @@ def test_a_built_tiny_target_at_a_users_path_is_refused(repo, tmp_path):
 
 
 def test_a_big_target_makes_extract_wait_for_the_rehearsal_and_a_small_one_does_not(repo, tmp_path):
-    """Decided when Make parses (draftline.cli.status gate): the rehearsal joins the dry
+    """Decided when Make parses (draftline.cli.status waits): the rehearsal joins the dry
     run before extract only when the target's weight files exceed rehearse.min_target_gb."""
     shaped = REPO / "tests/assets/kimi-k2.5-shaped"
     big = tmp_path / "big"

@@ -1,4 +1,4 @@
-"""`make rehearse`: the miniature, the rehearsal gate, and the rehearsal on the real vLLM CPU engine.
+"""`make rehearse`: the miniature, the wait on the rehearsal, and the rehearsal on the real vLLM CPU engine.
 
 Fast tier: which layers a miniature keeps and of which kind, what it drops on CPU, INT4 widths,
 the gate that makes the loading stages wait. vLLM tier (each run is `python -m stages.tokenize`

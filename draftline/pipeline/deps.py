@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 
 # patchq is standard library only and imports no other draftline module, so deps stays both.
-from draftline.patchq import RECORD_NAME
+from draftline.patchq import PACKAGES, RECORD_NAME, list_patch_files
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("draftline", "stages")
@@ -128,6 +128,30 @@ def applied_queue(package: str) -> list[str] | None:
     if not record.exists():
         return None
     return [f"{p['name']}@{p['sha256']}" for p in json.loads(record.read_text())["patches"]]
+
+
+def queue_on_disk(package: str) -> list[str]:
+    """``NAME@sha256`` of each patch in ``package``'s queue folder: what the applier records
+    once `make setup` applied it (its identity is the file's whole bytes, header included)."""
+    return [f"{p.name}@{_sha256(p)}" for p in list_patch_files(PACKAGES[package].patch_dir)]
+
+
+def lock_pins(lock: Path) -> dict[str, str]:
+    """{normalised name: version} of a lock's ``name==version`` lines (uv pip compile's)."""
+    pins = {}
+    for line in lock.read_text().splitlines():
+        if match := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)", line):
+            pins[_normal(match[1])] = match[2]
+    return pins
+
+
+def after_setup(now: dict, lock: Path) -> dict:
+    """``now`` (a :func:`current` record) as `make setup` would leave it: each queue as its
+    folder holds it, re-applied; each package at the lock's pin. A package the lock does not
+    pin keeps its version: what `uv pip sync` removes is not predicted."""
+    pins = lock_pins(lock)
+    return {**now, "patches": {queue: queue_on_disk(queue) for queue in now.get("patches", {})},
+            "packages": {name: pins.get(name, version) for name, version in now.get("packages", {}).items()}}
 
 
 def _project_file(module) -> Path | None:
