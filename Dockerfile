@@ -167,14 +167,15 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     uv pip sync --python "${VENV}/bin/python" "requirements/${STACK}.lock"
 
 # 2. speculators and vLLM patched by `make setup`: the rule, applier and stamp of a checkout
-#    (patches/speculators/ and patches/vllm/, both in one COPY of patches/). Its sync finds the
-#    lock installed, so nothing is downloaded. A patch that no longer applies stops the build
-#    here with the patch, file and hunk named. The rule also compiles the patched modules,
-#    which the non-root user could not write bytecode for.
+#    (patches/speculators/ and patches/vllm/, both in one COPY of patches/). A patch that no
+#    longer applies stops the build here with the patch, file and hunk named. The rule also
+#    compiles the patched modules, which the non-root user could not write bytecode for. Its
+#    sync runs offline: step 1 installed the lock, so it has nothing to fetch (online, uv would
+#    ask the index about every package, and so need the CA bundle here too).
 COPY Makefile ./
 COPY patches/ patches/
 COPY draftline/__init__.py draftline/patchq.py draftline/
-RUN make setup
+RUN UV_OFFLINE=1 make setup
 
 # 3. The source, then the record, checked against the pins above.
 COPY . .
