@@ -126,8 +126,7 @@ def test_one_stage_builds_both_stacks():
         assert not any(line.startswith(("RUN", "COPY")) for line in stage(f"{name}-base")), name
     for step in ("uv pip sync", "make setup", "COPY . .", "image-record.py", "USER "):
         assert CODE.count(step) == 1, step
-    # Only make setup applies the queues (a step re-applying them would hide what the
-    # stamp stands for).
+    # Only make setup applies the queues; the source step just makes its stamp current.
     assert "patchq apply" not in CODE
 
 
@@ -142,7 +141,7 @@ def test_no_block_of_six_lines_repeats():
     seen = {}
     for i in range(len(lines) - 5):
         block = tuple(lines[i:i + 6])
-        assert block not in seen, f"repeated block:\n" + "\n".join(block)
+        assert block not in seen, "repeated block:\n" + "\n".join(block)
         seen[block] = i
 
 
@@ -153,6 +152,8 @@ def test_lock_before_source_and_patched_by_make_setup():
     assert index["COPY requirements/${STACK}.lock"] < index["COPY patches/"] < index["COPY . ."]
     between = "\n".join(lines[index["COPY patches/"]:index["COPY . ."]])
     assert "make setup" in between, "speculators must be patched by the rule a checkout uses"
+    # Step 1 installed the lock: make setup fetches nothing, so it needs no CA bundle.
+    assert "UV_OFFLINE=1 make setup" in between
     sync = next(i for i, line in enumerate(lines) if "uv pip sync" in line)
     run = max(i for i in range(sync + 1) if lines[i].startswith("RUN "))
     assert any("--mount=type=cache,target=/root/.cache/uv" in line for line in lines[run:sync])
