@@ -200,7 +200,7 @@ ARG DRAFTLINE_VLLM_PATCHES=
 RUN set -eux; \
     touch "${VENV}/.setup-${STACK}"; \
     make -q "${VENV}/.setup-${STACK}"; \
-    python -m compileall -q draftline stages benchmarks; \
+    python -m compileall -q draftline stages benchmarks harness; \
     case "${STACK}" in \
         gpu) set -- --expect "vllm==${VLLM_VERSION}" --expect "torch==${GPU_TORCH_VERSION}" \
                     --expect "flashinfer-python==${FLASHINFER_VERSION}" \
