@@ -39,24 +39,29 @@ log = logging.getLogger("draftline.rehearse")
 # the neighbouring layer's input differs by tens of percent (48-133% there); so the median
 # token must be within 5%. Through MoE layers a few tokens go further: where two experts'
 # router scores are within bf16's rounding of each other, the rounded run picks the other
-# expert and that token's state moves by an expert's output (5-40% measured; 5-8% on the
-# final normed state). transformers' own bf16 run flips as many tokens of the tiny DeepseekV3
-# against its float32 run (1-3% of tokens past 5%, harness/branches.py), and the Qwen3-MoE
-# miniature's bf16 engine 2.0-4.3% per slot, so up to FLIPPED_SHARE of the tokens may.
+# expert and that token's state moves by an expert's output (20-40% measured in the tiny
+# DeepseekV3; 5-28% in the Qwen3-MoE miniature, 5-8% of its final normed state).
+# transformers' own bf16 run flips as many tokens of the tiny DeepseekV3 against its float32
+# run (1-3% of tokens past 5%, harness/branches.py), the Qwen3-MoE miniature's bf16 engine
+# 2.0-4.3% per slot, so up to FLIPPED_SHARE of the tokens may.
 TOLERANCE = {"float32": 1e-4, "other": 5e-2}
 FLIPPED_SHARE = {"float32": 0.0, "other": 0.05}
-# Storing in a coarser dtype than the engine computed in (fp8 shards of a bf16 run) rounds
-# every value once more, by at most half a step of the stored dtype at that value (e4m3: 2^-4
-# of it, 2^-10 of the row's scale below 2^-6 of it): storage_rounding() adds those half steps
-# up over the row, from the stored values themselves. A token whose stored row is within the
-# tolerance plus that bound of transformers' row may have been within the tolerance before
-# storage (triangle inequality), so it counts as flipped only beyond both: the stored rows
-# then pass exactly where the unrounded rows could have. Measured on the Qwen3-MoE
-# miniature (hidden 512, 832 tokens): fp8-rounding transformers' own float32 rows moves them
-# by 2.2-3.0% (median 2.6%), the bound says 4.5-5.0% (the actual rounding is 0.48-0.63 of it,
-# uniform rounding errors giving 1/sqrt(3)); the bf16 engine's rows took 5.9% of the final
-# slot's tokens past 5% once stored as fp8 against 3.1% as bf16. No allowance where the
-# stored dtype is the engine's (nothing was rounded), so float32 stays exact.
+# Storing in another dtype than the engine computed in (fp8 shards of a bf16 run) rounds every
+# value once more, by at most half a step of the stored dtype at that value (e4m3: 2^-4 of the
+# value; 2^-10 of the row's scale for values under 2^-6 of it). storage_rounding() sums those
+# half steps over the row, from the stored values themselves, and a token counts against the
+# rule only by what its error exceeds that bound: by the triangle inequality a row within the
+# tolerance before storage is within the tolerance plus the bound after it, so whatever passes
+# unrounded passes stored, and a token past both was past the tolerance before storage. The
+# price is a looser token test where storage rounds: 5% plus 4.5-5.0% for fp8, still a fifth
+# of the way to the nearest neighbouring layer (48% in the Qwen3-MoE miniature; the slot's
+# layer is checked apart, compare_rows). Measured there (TP 2, hidden 512, 832 tokens per
+# slot): fp8-rounding transformers' own float32 rows moves them 2.2-3.0% (median 2.6%: e4m3's
+# steps do not average out over the width), the bound says 4.5-5.0% (uniform rounding errors
+# give 1/sqrt(3) of it: 0.48-0.63 measured); the bf16 engine's rows leave 2.0/3.5/4.3/3.1% of
+# the slots' tokens past 5% as bf16 shards, 2.2/3.5/4.7/5.9% as fp8 shards judged without the
+# bound (the reported failure), 2.0/1.0/0.4/0.0% with it. No allowance where the stored dtype
+# is the engine's (nothing was rounded): float32 end to end stays at 1e-4 and no flips.
 
 
 @dataclasses.dataclass
@@ -134,8 +139,10 @@ def summarize(errors, tol: float, allowance=None) -> dict:
 def storage_rounding(values, scales=None):
     """Per row of stored hidden states [..., H] (fp8: with their scales [...]), a bound on
     |stored - what the engine computed| (the norm over H): each value within half a step of the
-    stored dtype at it, of the scale's units for fp8, plus 2^-22 of the row for float32's
-    roundings around the cast (the division by the scale, the clamp, the product back)."""
+    stored dtype at it (fp8: in its scale's units). float32's roundings around the fp8 cast
+    (dividing by the scale, multiplying back: 2^-24 of a value each) stay far inside what the
+    bound charges the row's largest value, which fp8 stores exactly (448) but counts a half
+    step (16 of its scale's 448)."""
     import torch
 
     stored = values.float()  # exact: every stored dtype here fits in float32
@@ -145,8 +152,7 @@ def storage_rounding(values, scales=None):
     half_step = binade.clamp(min=info.tiny) * (info.eps / 2)  # below tiny: subnormal steps
     if scales is not None:
         half_step = half_step * scales.float()[..., None]
-        stored = stored * scales.float()[..., None]
-    return half_step.norm(dim=-1) + 2.0**-22 * stored.norm(dim=-1)
+    return half_step.norm(dim=-1)
 
 
 def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int]) -> list:
