@@ -34,16 +34,34 @@ from pathlib import Path
 log = logging.getLogger("draftline.rehearse")
 
 # Per token, |row - transformers'| / |transformers'| (norms over the hidden width). float32 end
-# to end agrees to rounding on every token. bf16 activations (or bf16/fp8 shards) leave about
-# 1% on a typical token (a few roundings of 2^-8; e4m3's 2^-4 steps average out over the
-# width), while the neighbouring layer's input differs by tens of percent; so the median
+# to end agrees to rounding on every token. bf16 activations leave about 1% on a typical token
+# (a few roundings of 2^-8; the Qwen3-MoE miniature at TP 2: median 0.8-0.9% per slot), while
+# the neighbouring layer's input differs by tens of percent (48-133% there); so the median
 # token must be within 5%. Through MoE layers a few tokens go further: where two experts'
 # router scores are within bf16's rounding of each other, the rounded run picks the other
-# expert and that token's state moves by an expert's output (20-40% measured). transformers'
-# own bf16 run flips as many tokens of the tiny DeepseekV3 against its float32 run (1-3% of
-# tokens past 5%, harness/branches.py), so up to FLIPPED_SHARE of the tokens may.
+# expert and that token's state moves by an expert's output (20-40% measured in the tiny
+# DeepseekV3; 5-28% in the Qwen3-MoE miniature, 5-8% of its final normed state).
+# transformers' own bf16 run flips as many tokens of the tiny DeepseekV3 against its float32
+# run (1-3% of tokens past 5%, harness/branches.py), the Qwen3-MoE miniature's bf16 engine
+# 2.0-4.3% per slot, so up to FLIPPED_SHARE of the tokens may.
 TOLERANCE = {"float32": 1e-4, "other": 5e-2}
 FLIPPED_SHARE = {"float32": 0.0, "other": 0.05}
+# Storing in another dtype than the engine computed in (fp8 shards of a bf16 run) rounds every
+# value once more, by at most half a step of the stored dtype at that value (e4m3: 2^-4 of the
+# value; 2^-10 of the row's scale for values under 2^-6 of it). storage_rounding() sums those
+# half steps over the row, from the stored values themselves, and a token counts against the
+# rule only by what its error exceeds that bound: by the triangle inequality a row within the
+# tolerance before storage is within the tolerance plus the bound after it, so whatever passes
+# unrounded passes stored, and a token past both was past the tolerance before storage. The
+# price is a looser token test where storage rounds: 5% plus 4.5-5.0% for fp8, still a fifth
+# of the way to the nearest neighbouring layer (48% in the Qwen3-MoE miniature; the slot's
+# layer is checked apart, compare_rows). Measured there (TP 2, hidden 512, 832 tokens per
+# slot): fp8-rounding transformers' own float32 rows moves them 2.2-3.0% (median 2.6%: e4m3's
+# steps do not average out over the width), the bound says 4.5-5.0% (uniform rounding errors
+# give 1/sqrt(3) of it: 0.48-0.63 measured); the bf16 engine's rows leave 2.0/3.5/4.3/3.1% of
+# the slots' tokens past 5% as bf16 shards, 2.2/3.5/4.7/5.9% as fp8 shards judged without the
+# bound (the reported failure), 2.0/1.0/0.4/0.0% with it. No allowance where the stored dtype
+# is the engine's (nothing was rounded): float32 end to end stays at 1e-4 and no flips.
 
 
 @dataclasses.dataclass
@@ -107,10 +125,34 @@ def nearest_layer(row, reference: list) -> tuple[int, list[float]]:
     return min(range(len(distance)), key=distance.__getitem__), distance
 
 
-def summarize(errors, tol: float) -> dict:
-    """One slot's token errors: the median and worst token, the share of tokens past ``tol``."""
-    return {"median": float(errors.median()), "max": float(errors.max()),
-            "share_beyond": float((errors > tol).float().mean())}
+def summarize(errors, tol: float, allowance=None) -> dict:
+    """One slot's token errors: the median and worst token, the share of tokens past ``tol``
+    (past ``tol`` plus their ``allowance`` where given: see storage_rounding)."""
+    excess = errors if allowance is None else errors - allowance
+    record = {"median": float(errors.median()), "max": float(errors.max()),
+              "share_beyond": float((excess > tol).float().mean())}
+    if allowance is not None:
+        record.update(median_beyond_rounding=float(excess.median()), median_allowance=float(allowance.median()))
+    return record
+
+
+def storage_rounding(values, scales=None):
+    """Per row of stored hidden states [..., H] (fp8: with their scales [...]), a bound on
+    |stored - what the engine computed| (the norm over H): each value within half a step of the
+    stored dtype at it (fp8: in its scale's units). float32's roundings around the fp8 cast
+    (dividing by the scale, multiplying back: 2^-24 of a value each) stay far inside what the
+    bound charges the row's largest value, which fp8 stores exactly (448) but counts a half
+    step (16 of its scale's 448)."""
+    import torch
+
+    stored = values.float()  # exact: every stored dtype here fits in float32
+    info = torch.finfo(values.dtype)
+    _, exponent = torch.frexp(stored)  # |v| in [2^(exponent-1), 2^exponent)
+    binade = torch.ldexp(torch.ones_like(stored), exponent - 1).masked_fill(stored == 0, 0)
+    half_step = binade.clamp(min=info.tiny) * (info.eps / 2)  # below tiny: subnormal steps
+    if scales is not None:
+        half_step = half_step * scales.float()[..., None]
+    return half_step.norm(dim=-1)
 
 
 def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int]) -> list:
@@ -131,19 +173,25 @@ def compare_rows(rows, reference: list, aux_layer_ids: Sequence[int]) -> list:
     return errors
 
 
-def judge(errors: list, tol: float, flipped_share: float) -> list[dict]:
+def judge(errors: list, tol: float, flipped_share: float, allowances: list | None = None) -> list[dict]:
     """Each slot's token errors (one tensor per slot, every sample's tokens) against the
     rule: the median token within ``tol``, at most ``flipped_share`` of the tokens past it.
-    Returns per slot median, worst and that share; raises naming the first slot off it."""
+    ``allowances`` (per slot, per token, relative like the errors): the storage's rounding
+    bound, added to ``tol`` token by token. Returns per slot median, worst and that share;
+    raises naming the first slot off it."""
     summary = []
     for slot, e in enumerate(errors):
-        record = summarize(e, tol)
-        share = record["share_beyond"]
-        if record["median"] > tol or share > flipped_share:
+        allowance = None if allowances is None else allowances[slot]
+        record = summarize(e, tol, allowance)
+        share, median = record["share_beyond"], record.get("median_beyond_rounding", record["median"])
+        if median > tol or share > flipped_share:
+            beyond = f"{tol:g}" if allowance is None else (
+                f"{tol:g} + the shards' rounding bound (median {record['median_allowance']:.3g})")
             raise AssertionError(
                 f"slot {slot}: median token relative error {record['median']:.3g} and "
-                f"{share:.1%} of {len(e)} tokens beyond {tol:g} (allowed: median <= {tol:g}, "
-                f"share <= {flipped_share:.0%}; worst token {record['max']:.3g})")
+                f"{share:.1%} of {len(e)} tokens beyond {beyond} (allowed: median <= {tol:g}"
+                f"{'' if allowance is None else ' + rounding'}, share <= {flipped_share:.0%}; "
+                f"worst token {record['max']:.3g})")
         summary.append(record)
     return summary
 
@@ -158,7 +206,6 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     from draftline.extract.run import write_shards
     from draftline.pipeline.progress import TOKENS, Progress
     from draftline.rehearse import cost
-    from draftline.rehearse import miniature
 
     lengths = [len(s) for s in samples]
     plans = shards.plan_shards(lengths, int(cfg_mini.extract.shard_tokens))
@@ -192,29 +239,55 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     if model is None:
         record["compared_with_transformers"] = why
         return record, f"{len(samples)} samples, {sum(lengths)} tokens; not compared: {why}"
-    kind = precision(str(cfg_mini.model.dtype), str(cfg_mini.extract.save_dtype))
-    tol = TOLERANCE[kind]
-    per_slot = [[] for _ in range(len(aux_ids) + 1)]
-    for plan in plans:
-        rows = formats.read_shard_rows(out_dir / plan.name, range(len(plan.sample_ids)),
-                                       (formats.HIDDEN_STATES, formats.INPUT_IDS))
-        for row in rows:
-            reference = miniature.reference_hidden_states(model, row[formats.INPUT_IDS].tolist())
-            for slot, e in enumerate(compare_rows(row[formats.HIDDEN_STATES], reference, aux_ids)):
-                per_slot[slot].append(e)
-    import torch
+    from draftline.rehearse import miniature
 
-    summary = judge([torch.cat(e) for e in per_slot], tol, FLIPPED_SHARE[kind])
+    dtype, save_dtype = str(cfg_mini.model.dtype), str(cfg_mini.extract.save_dtype)
+    kind = precision(dtype, save_dtype)
+    tol = TOLERANCE[kind]
+    errors, allowances = compare_shards([out_dir / p.name for p in plans], aux_ids, dtype,
+                                        lambda ids: miniature.reference_hidden_states(model, ids))
+    summary = judge(errors, tol, FLIPPED_SHARE[kind], allowances)
     record.update(compared_with_transformers=True,
                   max_relative_error=[r["max"] for r in summary],
                   median_relative_error=[r["median"] for r in summary],
                   share_beyond_tolerance=[r["share_beyond"] for r in summary],
-                  tolerance=tol, flipped_share_allowed=FLIPPED_SHARE[kind])
+                  tolerance=tol, flipped_share_allowed=FLIPPED_SHARE[kind],
+                  rounding_allowance_median=[r.get("median_allowance") for r in summary])
+    plus = "" if allowances is None else (
+        f" + {save_dtype} rounding, median {max(r['median_allowance'] for r in summary):.2g}")
     return record, (f"{len(samples)} samples, {sum(lengths)} tokens, {len(aux_ids) + 1} slots = "
                     f"transformers' layer inputs {aux_ids} + final (median token rel. error "
-                    f"{max(r['median'] for r in summary):.2g} <= {tol:g}; tokens beyond it "
+                    f"{max(r['median'] for r in summary):.2g} <= {tol:g}{plus}; tokens beyond it "
                     f"{max(r['share_beyond'] for r in summary):.1%} <= "
                     f"{FLIPPED_SHARE[kind]:.0%}; worst token {max(r['max'] for r in summary):.2g})")
+
+
+def compare_shards(paths: Sequence[Path], aux_ids: Sequence[int], engine_dtype: str,
+                   reference_of: Callable[[list[int]], list]) -> tuple[list, list | None]:
+    """Every sample of the shards at ``paths`` against ``reference_of(its ids)`` (transformers'
+    layer inputs and final state, compare_rows): per slot, each token's relative error and,
+    where the shards hold a dtype other than ``engine_dtype`` (the engine's rows were rounded
+    to store them), that rounding's bound relative to transformers' row (storage_rounding);
+    None where nothing was rounded."""
+    import torch
+
+    from draftline import formats
+
+    errors, allowances, rounded = [[] for _ in aux_ids] + [[]], [[] for _ in aux_ids] + [[]], False
+    for path in paths:
+        stored = formats.read_shard(path)
+        values, scales = stored[formats.HIDDEN_STATES], stored.get(formats.HIDDEN_SCALES)
+        rounded = values.dtype != getattr(torch, engine_dtype)
+        offsets = stored[formats.SAMPLE_OFFSETS].tolist()
+        for span in (slice(a, b) for a, b in zip(offsets[:-1], offsets[1:])):
+            sample = values[span], None if scales is None else scales[span]
+            reference = reference_of(stored[formats.INPUT_IDS][span].tolist())
+            bound = storage_rounding(*sample)  # [T, slots]
+            for slot, e in enumerate(compare_rows(formats.dequantize(*sample), reference, aux_ids)):
+                layer = [*aux_ids, len(reference) - 1][slot]
+                errors[slot].append(e)
+                allowances[slot].append(bound[:, slot] / reference[layer].norm(dim=-1).clamp(min=1e-12))
+    return [torch.cat(e) for e in errors], [torch.cat(a) for a in allowances] if rounded else None
 
 
 # --------------------------------------------------------------------------- speculative decoding
