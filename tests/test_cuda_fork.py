@@ -45,7 +45,9 @@ def test_every_entry_point_is_one_of_the_known():
             "benchmarks.extract", "benchmarks.serve", "benchmarks.train"} <= set(ENTRY_POINTS)
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+# The stages in the default tier, the benchmarks and harnesses (5-20 s each) in the long one.
+@pytest.mark.parametrize("entry", [e if e.startswith("stages.") else pytest.param(e, marks=pytest.mark.long)
+                                   for e in ENTRY_POINTS])
 def test_cuda_is_asked_only_through_nvml_from_every_entry_point(entry):
     result = subprocess.run([sys.executable, "-c", SPY, entry], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -610,10 +610,10 @@ def decoded(pair, tmp_path_factory):
     for ids in ((1, 2, 3), (2, 3, 4)):
         samples[ids] = []
         for prompt, tokens in zip(prompts, sequences, strict=True):
-            hidden, greedy = hf_states(target, tokens)
+            hidden, next_tokens = hf_states(target, tokens)
             mask = torch.zeros(len(tokens), dtype=torch.bool)
             mask[len(prompt):] = True
-            samples[ids].append(offline.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), greedy))
+            samples[ids].append(offline.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), next_tokens))
     measured = jobs.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
     return samples, measured, rollout.DraftRunner(rollout.load_draft(draft_dir, target_dir))
 

@@ -54,6 +54,7 @@ def _regenerated(run_dir: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.long  # a TP=2 engine, 40-80 s; the default tier keeps its 15 minutes
 def test_a_failing_tp_rank_ends_extraction(tmp_path, model_dir):
     run_dir = _regenerated(tmp_path / "run")
     stamp = tmp_path / "fault-time"

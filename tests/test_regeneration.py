@@ -81,10 +81,10 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(7, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     with torch.no_grad():
-        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     # A random target rarely emits its real stop tokens: use a token of its own reply instead.
-    stop = greedy[1][5]
+    stop = expected[1][5]
     saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     try:
@@ -100,7 +100,7 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
-    for reference, (reply, stopped) in zip(greedy, replies, strict=True):
+    for reference, (reply, stopped) in zip(expected, replies, strict=True):
         cut = reference.index(stop) + 1 if stop in reference else len(reference)
         assert reply == reference[:cut]
         assert stopped == (stop in reference)

@@ -401,6 +401,7 @@ def test_serving_a_gpt_oss_without_its_harmony_vocab_is_one_line_before_any_serv
 
 
 @pytest.mark.vllm
+@pytest.mark.long  # an engine start, 35-70 s; the default tier keeps its 15 minutes
 def test_a_swapped_capture_call_fails_the_rehearsal_within_seconds_naming_the_call(tmp_path):
     run_dir = _tokenized(tmp_path, "tiny")
     result = _stage("rehearse", "tiny", run_dir, check=False,

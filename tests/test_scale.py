@@ -159,6 +159,7 @@ def test_each_rank_takes_its_own_gpu_and_its_share_of_the_token_budget(monkeypat
         launch.rank_tokens(513, second)
 
 
+@pytest.mark.long  # two torchrun ranks, 45-90 s; the default tier keeps its 15 minutes
 def test_killed_rank_ends_the_run_with_its_traceback_and_resumes_on_one_process(prepared):
     """torchrun (gloo, 2 processes): SIGINT to rank 1 mid-run -> its KeyboardInterrupt
     traceback, non-zero exit, no manifest; then one process resumes the checkpoint rank 0
