@@ -143,6 +143,7 @@ def _attention_with_sinks(q, k, v, sinks, window: int | None):
     return torch.einsum("hts,shd->thd", weights, v)
 
 
+@pytest.mark.long  # vLLM's CPU attention import, about 6 s a window
 @pytest.mark.parametrize("window", [None, 4])
 def test_cpu_attention_takes_a_float32_models_sinks(window):
     """patches/vllm/0005: vLLM's CPU attention kernel reads sinks as bfloat16 only; a float32

@@ -70,6 +70,7 @@ def make(tmp_path):
     return make
 
 
+@pytest.mark.long  # a repo copy and a tiny run, about 14 s (7 s fixture, 6 s call)
 def test_a_no_op_make_starts_no_python_and_each_input_still_counts(make):
     repo = make.repo
     for _ in range(2):
