@@ -273,3 +273,14 @@ def test_each_package_queue_is_its_own_folder_under_patches():
     for pkg in patchq.PACKAGES.values():
         assert patchq.list_patch_files(pkg.patch_dir), pkg.patch_dir
     assert not list(patchq.PATCH_ROOT.glob("*.diff"))
+
+
+def test_every_patch_of_both_queues_has_its_row_in_docs_patches_md() -> None:
+    """docs/patches.md is where a user reads what the image changes in vLLM and speculators: a
+    patch added to a queue without its row there (vLLM's 0004 was, for two sessions) is named."""
+    page = (REPO / "docs/patches.md").read_text()
+    rows = {line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| ")}
+    missing = [f"{queue.name}/{patch.stem}" for queue in sorted((REPO / "patches").iterdir()) if queue.is_dir()
+               for patch in sorted(queue.glob("*.diff"))
+               if patch.stem not in rows and f"{queue.name}/{patch.stem}" not in rows]
+    assert missing == [], f"no row in docs/patches.md for: {missing}"
