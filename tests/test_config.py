@@ -87,7 +87,7 @@ def test_launch_keys_change_no_stamp_and_are_recorded_apart():
 def _conf_copy(tmp_path: Path, local: str | None) -> Path:
     """The project's conf/ in a temporary dir (never the user's conf/local.yaml), with ``local``."""
     conf = tmp_path / "conf"
-    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns(config.LOCAL))
+    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns("local.yaml", "local.*.yaml"))
     if local is not None:
         (conf / config.LOCAL).write_text(local)
     return conf

@@ -50,6 +50,14 @@ LAUNCH_KEYS = {"extract": ("replicas", "shard", "writer"),
 
 
 LOCAL = "local.yaml"  # untracked: this machine's paths (model.path, data.path, ...)
+
+
+def local_of(exp: str, conf_dir: Path = CONF_DIR) -> Path:
+    """conf/local.<exp>.yaml (untracked): one experiment's paths, as `make init` writes them, so
+    that a second target's init never meets the first one's paths in conf/local.yaml."""
+    return conf_dir / f"local.{exp}.yaml"
+
+
 # Maps whose keys are the user's to choose, so `+data.roles.narrator=assistant` may add one.
 OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt")
 
@@ -151,14 +159,21 @@ def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def fill_from_local(cfg: DictConfig, local: Path = CONF_DIR / LOCAL) -> DictConfig:
-    """Fill the values the composed config leaves required (``???``) from conf/local.yaml.
+    """Fill the values the composed config leaves required (``???``) from the experiment's own
+    conf/local.<exp>.yaml first, then conf/local.yaml (beside it).
 
     Only required values: a path set there never changes an experiment that sets its own (the
     embedded runs, `make smoke`, the tests), and a command-line override still wins. A key that
     is no config key is refused, so a misspelled one cannot be silently ignored.
     """
-    if not local.exists():
-        return cfg
+    exp = OmegaConf.select(cfg, "exp")
+    for path in ([local_of(exp, local.parent)] if exp else []) + [local]:
+        if path.exists():
+            _fill(cfg, path)
+    return cfg
+
+
+def _fill(cfg: DictConfig, local: Path) -> None:
     values = OmegaConf.to_container(OmegaConf.load(local), resolve=False) or {}
     for key, value in _leaves(values):
         parent, _, leaf = key.rpartition(".")
@@ -168,7 +183,6 @@ def fill_from_local(cfg: DictConfig, local: Path = CONF_DIR / LOCAL) -> DictConf
                                   nearest_key(key, _names(OmegaConf.to_container(cfg))))
         if OmegaConf.is_missing(node, leaf):
             node[leaf] = value
-    return cfg
 
 
 def experiment_overrides(exp: str, extra: list[str]) -> list[str]:
@@ -195,6 +209,10 @@ def check(cfg: DictConfig) -> None:
     if cfg.model.build is None and _users(cfg.model.path, cfg) and not Path(cfg.model.path).is_dir():
         raise UserConfigError(f"model.path={cfg.model.path}: no such directory",
                               "model.path is the target's directory on this machine (config.json, tokenizer, weights)")
+    if cfg.model.build is None and _users(cfg.model.path, cfg):
+        from draftline import target  # layer: the target's config.json, read before any stage trusts model.path
+
+        target.check_model_config(cfg.model, cfg.exp)
     data = str(cfg.data.path)
     if cfg.data.build is None and _users(data, cfg) and not Path(data).exists() and not is_hub_name(data):
         raise UserConfigError(f"data.path={data}: no such file or directory",
