@@ -29,16 +29,33 @@ class RemoteCodeRefused(UserError, ValueError):
                  "in the model's conf/model/<name>.yaml (or OVERRIDES)")
 
 
+# config.json's auto_map entries that transformers replaces with its own classes when it knows
+# the model_type: DeepSeek-V3's checkpoint still names its configuration_deepseek.py, and with
+# trust_remote_code off transformers and vLLM read it with their DeepseekV3Config.
+NATIVE_AUTO_CLASSES = ("AutoConfig", "AutoModel")
+
+
+def _transformers_knows(model_type: object) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
 def remote_code_references(model_dir: str | Path) -> list[str]:
-    """``file: Auto* -> module.Class`` for every auto_map entry in the directory's configs."""
+    """``file: Auto* -> module.Class`` for every auto_map entry in the directory's configs that
+    would run its Python: config.json's config and model classes of a model_type transformers
+    4.57 has are left out (trust_remote_code off uses transformers' own)."""
     found = []
     for name in CODE_FILES:
         path = Path(model_dir) / name
         if not path.is_file():
             continue
-        auto_map = json.loads(path.read_text()).get("auto_map") or {}
+        content = json.loads(path.read_text())
+        auto_map = content.get("auto_map") or {}
+        native = name == "config.json" and auto_map and _transformers_knows(content.get("model_type"))
         for auto_class, target in sorted(auto_map.items()):
-            found.append(f"{name}: {auto_class} -> {target}")
+            if not (native and auto_class.startswith(NATIVE_AUTO_CLASSES)):
+                found.append(f"{name}: {auto_class} -> {target}")
     return found
 
 
@@ -79,12 +96,12 @@ FAMILIES = {f.model_type: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3", True),
     Family("kimi_k2", "DeepseekV3ForCausalLM", "moonshotai/Kimi-K2-Instruct", True),
     Family("kimi_k25", "KimiK25ForConditionalGeneration", "moonshotai/Kimi-K2.5", True),
-    Family("llama4", "Llama4ForConditionalGeneration", "meta-llama/Llama-4-Scout-17B-16E-Instruct", False),
+    Family("llama4", "Llama4ForConditionalGeneration", "meta-llama/Llama-4-Scout-17B-16E-Instruct", True),
     Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "tencent/Hy-MT2-7B", True),
-    Family("llava", "LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf", False),
-    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen/Qwen2.5-VL-7B-Instruct", False),
-    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-8B-Instruct", False),
-    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen/Qwen3-VL-30B-A3B-Instruct", False),
+    Family("llava", "LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf", True),
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen/Qwen2.5-VL-7B-Instruct", True),
+    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-8B-Instruct", True),
+    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen/Qwen3-VL-30B-A3B-Instruct", True),
 )}
 
 
@@ -120,9 +137,23 @@ def read_target_shape(model_dir: str | Path) -> TargetShape:
     return shape_of(json.loads(path.read_text()))
 
 
+def text_config(config: dict) -> dict:
+    """The text model's keys of a parsed config.json: ``text_config`` for a wrapper, else the
+    config itself. A ``text_config`` that names only what differs from its model_type's defaults
+    (LLaVA-1.5's: no layer count, no width) gets those defaults, as transformers reads it."""
+    text = config.get("text_config")
+    if text is None:
+        return config
+    if "num_hidden_layers" in text and "hidden_size" in text:
+        return text
+    from transformers import AutoConfig
+
+    return {**AutoConfig.for_model(str(text.get("model_type"))).to_dict(), **text}
+
+
 def shape_of(config: dict) -> TargetShape:
     """The TargetShape of a parsed config.json (text_config for wrappers)."""
-    text = config.get("text_config", config)
+    text = text_config(config)
     return TargetShape(
         num_layers=int(text["num_hidden_layers"]),
         hidden_size=int(text["hidden_size"]),
@@ -186,3 +217,21 @@ def check_layer_ids(aux_layer_ids: list[int], shape: TargetShape) -> None:
             f"aux_layer_ids {list(aux_layer_ids)} invalid for a {shape.num_layers}-layer "
             f"target: need distinct ids in [1, {shape.num_layers - 1}]"
         )
+
+
+def check_model_config(model, exp: str) -> None:
+    """conf/model's num_layers x hidden_size against model.path's config.json, before any stage
+    trusts the path: a path filled from conf/local.yaml for another target would otherwise
+    rehearse, or extract, that other target under this experiment's name."""
+    path = Path(model.path) / "config.json"
+    if not path.exists():
+        return  # target.check refuses it where a stage loads the target, with its own words
+    shape = read_target_shape(model.path)
+    said = (int(model.num_layers), int(model.hidden_size))
+    if (shape.num_layers, shape.hidden_size) != said:
+        raise UserConfigError(
+            f"model.path={model.path} is a {shape.num_layers}-layer x {shape.hidden_size} target "
+            f"({shape.architecture}, its config.json); conf/model/{model.name}.yaml says {said[0]} x {said[1]}",
+            f"one of the two is another target's. conf/local.yaml fills model.path for every experiment "
+            f"that leaves it unset: put EXP={exp}'s own in conf/local.{exp}.yaml (`make init` writes it) "
+            f'or pass OVERRIDES="model.path=<its directory>"')

@@ -114,8 +114,8 @@ def test_preflight_passes_the_tiny_target(model_dir):
 
 @pytest.mark.parametrize("overrides, lengths, message", [
     (["model.aux_layer_ids=[2,3,6]"], [10], "aux_layer_ids [2, 3, 6] invalid for a 6-layer target"),
-    (["model.num_layers=7"], [10], "model config says 7 layers x 256"),
-    (["model.hidden_size=128"], [10], "says 6 x 256"),
+    (["model.num_layers=7"], [10], "is a 6-layer x 256 target (LlamaForCausalLM, its config.json); conf/model/tiny-llama.yaml says 7 x 256"),
+    (["model.hidden_size=128"], [10], "says 6 x 128"),
     (["extract.max_model_len=64"], [10, 64], "longest sample has 64 tokens; extract.max_model_len=64"),
     (["model.tensor_parallel_size=100000"], [10], "TP 100000 > CPU cores"),
     (["extract.save_dtype=float8"], [10], "extract.save_dtype='float8': expected one of"),

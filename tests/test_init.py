@@ -41,7 +41,7 @@ def tiny(tmp_path_factory) -> Path:
 def conf(tmp_path) -> Path:
     """The project's conf/ in a checkout-like temporary dir, without the user's local.yaml."""
     conf = tmp_path / "repo" / "conf"
-    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns(config.LOCAL))
+    shutil.copytree(config.CONF_DIR, conf, ignore=shutil.ignore_patterns("local.yaml", "local.*.yaml"))
     return conf
 
 
@@ -53,14 +53,17 @@ def data(tmp_path) -> Path:
 
 
 def written(conf: Path) -> set[str]:
-    return {str(p.relative_to(conf)) for p in conf.rglob("*.yaml")} - \
-        {str(p.relative_to(config.CONF_DIR)) for p in config.CONF_DIR.rglob("*.yaml")}
+    """What init wrote into the copy: its files beyond the project's own conf/ (this checkout's
+    untracked local files, left out of the copy, count as written when init writes them there)."""
+    project = {str(p.relative_to(config.CONF_DIR)) for p in config.CONF_DIR.rglob("*.yaml")
+               if not p.name.startswith("local.")}
+    return {str(p.relative_to(conf)) for p in conf.rglob("*.yaml")} - project
 
 
-def test_init_writes_an_experiment_that_composes_with_the_paths_from_local_yaml(tiny, data, conf):
+def test_init_writes_an_experiment_that_composes_with_the_paths_from_its_local_yaml(tiny, data, conf):
     result = CliRunner().invoke(init.build_cli(), [str(tiny), str(data), "--conf-dir", str(conf)])
     assert result.exit_code == 0, result.output
-    assert written(conf) == {"model/my-tiny-llama.yaml", "experiment/my-tiny-llama.yaml", "local.yaml"}
+    assert written(conf) == {"model/my-tiny-llama.yaml", "experiment/my-tiny-llama.yaml", "local.my-tiny-llama.yaml"}
     cfg = config.compose(["experiment=my-tiny-llama"], conf_dir=conf)
     assert (cfg.exp, cfg.model.name, cfg.model.path, cfg.data.path) == ("my-tiny-llama", "my-tiny-llama", str(tiny), str(data))
     assert (cfg.model.num_layers, cfg.model.hidden_size, list(cfg.model.aux_layer_ids)) == (8, 64, [2, 4, 5])
@@ -115,16 +118,41 @@ def test_data_in_no_known_format_is_refused(tiny, conf, tmp_path, content, messa
     assert "ShareGPT" in refused.value.hint and written(conf) == set()
 
 
-def test_a_local_yaml_of_another_target_is_left_alone_and_the_paths_go_to_overrides(tiny, data, conf):
+def test_a_second_target_gets_its_own_paths_and_conf_local_yaml_is_never_written(tiny, data, conf, tmp_path):
+    """Two inits on one machine: each experiment composes with its own model.path, whatever
+    conf/local.yaml (the user's) says; before, the second was told to pass OVERRIDES on every
+    command, and one without them rehearsed the first target under the second's name."""
     local = conf / config.LOCAL
     local.write_text("model:\n  path: /models/kimi-k2.5\n")
-    lines = init.init(str(tiny), str(data), "mine", conf_dir=conf)
-    assert local.read_text() == "model:\n  path: /models/kimi-k2.5\n"
-    assert f'  make tokenize EXP=mine OVERRIDES="model.path={tiny} data.path={data}"' in lines
-    local.write_text("seed: 1\n")  # no paths yet: the lines to add are printed, the file kept
-    lines = init.init(str(tiny), str(data), "other", conf_dir=conf)
-    assert local.read_text() == "seed: 1\n" and "  make tokenize EXP=other" in lines
-    assert f"    path: {tiny}" in "\n".join(lines)
+    other = shutil.copytree(REPO / "tests/assets/llama-3.1-8b-shaped", tmp_path / "llama")
+    init.init(str(tiny), str(data), "mine", conf_dir=conf)
+    lines = init.init(str(other), str(data), "other", conf_dir=conf)
+    assert local.read_text() == "model:\n  path: /models/kimi-k2.5\n" and "  make tokenize EXP=other" in lines
+    for name, path in (("mine", tiny), ("other", other)):
+        cfg = config.compose([f"experiment={name}"], conf_dir=conf)
+        assert (cfg.model.path, cfg.data.path) == (str(path), str(data))
+        config.check(cfg)
+    # A leftover file of that name (a removed experiment's) is never rewritten: OVERRIDES instead.
+    for made in ("model/other.yaml", "experiment/other.yaml"):
+        (conf / made).unlink()
+    (conf / "local.other.yaml").write_text("model:\n  path: /elsewhere\n")
+    lines = init.init(str(other), str(data), "other", conf_dir=conf)
+    assert (conf / "local.other.yaml").read_text() == "model:\n  path: /elsewhere\n"
+    assert f'  make tokenize EXP=other OVERRIDES="model.path={other} data.path={data}"' in lines
+
+
+def test_model_path_of_another_target_is_refused_before_any_stage(tiny, data, conf):
+    """conf/local.yaml's model.path fills every experiment that leaves it unset: a target of
+    another shape is refused in one line by config.check, which every stage and Make's parse run."""
+    init.init(str(tiny), str(data), "mine", conf_dir=conf)
+    (conf / "local.mine.yaml").unlink()
+    (conf / config.LOCAL).write_text(f"model:\n  path: {REPO / 'tests/assets/qwen3-8b-shaped'}\n"
+                                     f"data:\n  path: {data}\n")
+    cfg = config.compose(["experiment=mine"], conf_dir=conf)
+    with pytest.raises(UserConfigError, match=r"is a 36-layer x 4096 target \(Qwen3ForCausalLM, its config.json\); "
+                                              r"conf/model/mine.yaml says 8 x 64") as refused:
+        config.check(cfg)
+    assert "conf/local.mine.yaml" in refused.value.hint
 
 
 def test_aux_ids_tensor_parallel_size_and_the_weight_estimate():
@@ -150,7 +178,13 @@ def test_the_shipped_examples_compose_with_vllms_aux_ids(name, layers):
 FAMILIES = {"llama-3.1-8b-shaped": (32, [2, 16, 29], 1, False), "qwen2.5-7b-shaped": (28, [2, 14, 25], 1, False),
             "qwen3-8b-shaped": (36, [2, 18, 33], 1, False), "qwen3-30b-a3b-shaped": (48, [2, 24, 45], 2, False),
             "gpt-oss-20b-shaped": (24, [2, 12, 21], 1, False), "kimi-k2.5-shaped": (61, [2, 30, 58], 8, True),
-            "hy-mt2-7b-shaped": (32, [2, 16, 29], 1, False)}
+            "hy-mt2-7b-shaped": (32, [2, 16, 29], 1, False), "kimi-k2-instruct-shaped": (61, [2, 30, 58], 8, True),
+            "deepseek-v3-shaped": (61, [2, 30, 58], 8, False), "llama-4-scout-shaped": (48, [2, 24, 45], 8, False),
+            "qwen2.5-vl-7b-shaped": (28, [2, 14, 25], 1, False), "qwen3-vl-8b-shaped": (36, [2, 18, 33], 1, False),
+            "qwen3-vl-30b-a3b-shaped": (48, [2, 24, 45], 2, False), "llava-1.5-7b-shaped": (32, [2, 16, 29], 1, False)}
+# The wrappers' runs are text-only: a count of 0 for each modality vLLM 0.16's class takes.
+TEXT_ONLY = {"kimi-k2.5-shaped": {"vision_chunk": 0}, "llama-4-scout-shaped": {"image": 0}, **{name: {"image": 0, "video": 0} for name in (
+    "qwen2.5-vl-7b-shaped", "qwen3-vl-8b-shaped", "qwen3-vl-30b-a3b-shaped")}, "llava-1.5-7b-shaped": {"image": 0}}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -160,6 +194,7 @@ def test_init_on_every_family_writes_configs_that_compose(name, data, conf):
     cfg = config.compose([f"experiment={name}"], conf_dir=conf)
     assert (cfg.model.num_layers, list(cfg.model.aux_layer_ids)) == (layers, aux_ids)
     assert (cfg.model.tensor_parallel_size, cfg.model.trust_remote_code) == (tp, remote)
+    assert config.mm_limits(cfg) == TEXT_ONLY.get(name)
     config.check(cfg)
 
 

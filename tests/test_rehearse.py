@@ -214,6 +214,22 @@ def test_a_tp_larger_than_the_machine_is_capped_and_listed():
     assert not {"MLA attention", "NCCL", "tensor_parallel_size=8"} & {i["what"] for i in on_gpu.not_rehearsed}
 
 
+def test_llama4s_long_context_mechanisms_are_listed_as_not_rehearsed():
+    """Scout keeps chunks of 8192 and temperature tuning from 8192 positions on; the
+    rehearsal's sequences (extract.max_model_len) never reach either."""
+    llama4 = REPO / "tests/assets/llama-4-scout-shaped"
+    cfg = compose("qwen3-8b", f"model.path={llama4}", "data.path=x", "extract.max_model_len=1024")
+    whats = {i["what"]: i["reason"] for i in scope.decide(cfg, on_gpu=False, available=2, half_precision=True).not_rehearsed}
+    assert whats["attention chunk boundaries (attention_chunk_size=8192)"].startswith(
+        "the rehearsal's sequences (at most 1024 tokens) fit in one chunk")
+    assert "attention temperature tuning (floor_scale=8192)" in whats
+    text = json.loads((llama4 / "config.json").read_text())["text_config"]
+    assert scope.beyond_the_rehearsed_length({**text, "floor_scale": 512}, 1024) == [
+        {"what": "attention chunk boundaries (attention_chunk_size=8192)", "reason": whats[
+            "attention chunk boundaries (attention_chunk_size=8192)"]}]
+    assert scope.beyond_the_rehearsed_length(kimi_text(), 1024) == []
+
+
 # --------------------------------------------------------------------------- on the vLLM CPU engine
 
 
@@ -258,8 +274,11 @@ def _check_rehearsal(run_dir: Path, output: str, skipped: tuple[str, ...] = ()) 
 
 
 def _kinds_in_transformers(mini_path: str) -> list[str]:
+    from draftline.rehearse import wrappers
+
     model, _ = miniature.load_reference(mini_path)
-    return ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+    mlps = [layer.mlp if hasattr(layer, "mlp") else layer.feed_forward for layer in wrappers.decoder_layers(model)]  # Llama 4: feed_forward
+    return ["moe" if hasattr(mlp, "experts") else "dense" for mlp in mlps]
 
 
 @pytest.mark.vllm
@@ -307,12 +326,17 @@ def test_the_kimi_shaped_directory_rehearses_with_int4_and_mla_dropped(tmp_path)
 def _family_overrides(model_dir: Path, data: Path) -> tuple[str, ...]:
     """A qwen3-8b run (a shipped experiment) pointed at ``model_dir`` with the model fields
     `make init` would write for it (draftline.cli.init)."""
+    from draftline import target
     from draftline.cli import init
 
-    facts = init.describe("x", json.loads((model_dir / "config.json").read_text()), [])
+    remote = target.remote_code_references(model_dir)
+    facts = init.describe("x", json.loads((model_dir / "config.json").read_text()), remote)
+    limits, _ = init.text_only_limits(facts.shape.architecture) or ({}, "")  # a wrapper run text-only
     return (f"model.path={model_dir}", f"data.path={data}", f"model.num_layers={facts.shape.num_layers}",
             f"model.hidden_size={facts.shape.hidden_size}", f"model.aux_layer_ids={facts.aux_layer_ids}",
-            f"model.dtype={facts.dtype}", "tokenize.seq_length=512", "extract.max_model_len=1024")
+            f"model.dtype={facts.dtype}", f"model.trust_remote_code={str(bool(remote)).lower()}",
+            "tokenize.seq_length=512", "extract.max_model_len=1024",
+            *(f"+model.limit_mm_per_prompt.{modality}={count}" for modality, count in limits.items()))
 
 
 # Checks a family's directory cannot pass on this machine (docs/families.md says why), with the
@@ -326,7 +350,9 @@ SKIPPED_HERE = {"gpt-oss-20b-shaped": "serve"}  # directory -> the rehearse.skip
 # qwen3-30b-a3b-shaped rehearses with make init's own settings (bf16, TP 2, fp8 shards) in
 # test_the_qwen3_moe_directory_rehearses_with_make_inits_settings: not again here (6-13 min).
 @pytest.mark.parametrize("name", ["qwen3-8b-shaped", "qwen2.5-7b-shaped", "llama-3.1-8b-shaped",
-                                  "gpt-oss-20b-shaped", "hy-mt2-7b-shaped"])
+                                  "gpt-oss-20b-shaped", "hy-mt2-7b-shaped", "kimi-k2-instruct-shaped",
+                                  "deepseek-v3-shaped", "llama-4-scout-shaped", "qwen2.5-vl-7b-shaped",
+                                  "qwen3-vl-8b-shaped", "qwen3-vl-30b-a3b-shaped", "llava-1.5-7b-shaped"])
 def test_each_familys_weightless_directory_rehearses(tmp_path, name):
     """docs/families.md's engine cells: the miniature, extraction against transformers per slot,
     greedy speculative decoding equal to the plain engine, `vllm serve`, on the CPU engine."""

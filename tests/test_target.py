@@ -91,3 +91,21 @@ def test_check_returns_the_flag_when_the_directory_agrees(two_files, tokenizer_o
     assert target.check(tokenizer_only, 1) is True
     assert target.check(plain, True) is True
     assert target.check(plain, False) is False
+
+
+def test_config_classes_transformers_has_itself_need_no_remote_code(tmp_path):
+    """DeepSeek-V3's config.json still names its configuration_deepseek.py: transformers 4.57
+    reads deepseek_v3 itself, so only a tokenizer's auto_map asks for the directory's Python;
+    Kimi-K2's kimi_k2 is no transformers model_type, so its entries stay."""
+    auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    write(tmp_path / "v3", "config.json", {"model_type": "deepseek_v3", "auto_map": auto_map})
+    assert target.remote_code_references(tmp_path / "v3") == []
+    assert target.check(tmp_path / "v3", False) is False
+    write(tmp_path / "v3", "tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["tok.Slow", None]}})
+    assert target.remote_code_references(tmp_path / "v3") == [
+        "tokenizer_config.json: AutoTokenizer -> ['tok.Slow', None]"]
+    write(tmp_path / "k2", "config.json", {"model_type": "kimi_k2", "auto_map": auto_map})
+    assert target.remote_code_references(tmp_path / "k2") == [
+        "config.json: AutoConfig -> configuration_deepseek.DeepseekV3Config",
+        "config.json: AutoModelForCausalLM -> modeling_deepseek.DeepseekV3ForCausalLM"]

@@ -2,7 +2,7 @@
 
 Writes the tracked conf/model/<name>.yaml and conf/experiment/<name>.yaml from the model
 directory's own config.json, and this machine's paths (model.path, data.path) into the untracked
-conf/local.yaml, never into a tracked file: the experiment leaves them required (``???``) and
+conf/local.<name>.yaml, never into a tracked file: the experiment leaves them required (``???``) and
 ``config.fill_from_local`` fills them. Everything it can check without loading the weights is
 checked first (config.json, the tokenizer and its chat template, the first conversation of the
 data rendered with it), so a mistake is one line and exit 2 here, not a failed stage later.
@@ -17,7 +17,8 @@ from pathlib import Path
 
 from draftline import target
 from draftline.errors import UserConfigError
-from draftline.pipeline.config import CONF_DIR, LOCAL
+from draftline.pipeline.config import CONF_DIR, local_of
+from draftline.rehearse import wrappers
 
 # Extraction runs on GPUs of at least this size (GB, 1e9 bytes): the common size of an A100 or
 # H100. Bigger GPUs (141 GB H200) fit more per GPU: lower tensor_parallel_size by hand there.
@@ -32,6 +33,16 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Sizes of the one real run the project has configured (conf/experiment/kimi-k2.5.yaml), capped
 # below by the target's context and vocabulary.
 SEQ_LENGTH, MAX_MODEL_LEN, DRAFT_VOCAB = 4096, 8192, 32000
+
+
+def text_only_limits(architecture: str) -> tuple[dict[str, int], str] | None:
+    """The ``limit_mm_per_prompt`` of a text-only run of a multimodal wrapper (the conversations
+    carry no images), and why; None for a text model."""
+    limits = wrappers.text_only_limits(architecture)
+    return (limits, "vLLM 0.16's modalities of this class, 0 per prompt: vLLM builds no vision tower") \
+        if limits else None
+
+
 DATA_FORMATS = ('one record per JSONL line (or a JSON list, parquet, a datasets directory): ShareGPT '
                 '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]} '
                 'or OpenAI {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}')
@@ -126,7 +137,7 @@ def estimate_weight_bytes(config: dict) -> int:
     leading dense layers). A quantized checkpoint's MLP weights are counted at its bit width,
     everything else at the dtype's: Kimi-K2.5 (INT4 experts) comes to 590 GB against the 554 GB
     its checkpoint is quoted at (549 GiB: the quote may be GiB), Qwen3-8B to 16.4 GB as on disk."""
-    text = config.get("text_config", config)
+    text = target.text_config(config)
     h, n = int(text["hidden_size"]), int(text["num_hidden_layers"])
     heads = int(text.get("num_attention_heads") or 1)
     kv_heads = int(text.get("num_key_value_heads") or heads)
@@ -145,7 +156,9 @@ def estimate_weight_bytes(config: dict) -> int:
     if experts:
         width = int(text.get("moe_intermediate_size") or text["intermediate_size"])
         num_dense = int(text.get("first_k_dense_replace") or 0)
-        mlp = num_dense * dense + (n - num_dense) * 3 * h * width * (experts + int(text.get("n_shared_experts") or 0))
+        # Llama 4 has one shared expert in every MoE layer without a field saying so
+        shared = int(text.get("n_shared_experts") or (text.get("model_type") == "llama4_text"))
+        mlp = num_dense * dense + (n - num_dense) * 3 * h * width * (experts + shared)
     else:
         mlp = n * dense
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
@@ -158,7 +171,7 @@ def estimate_weight_bytes(config: dict) -> int:
 def describe(name: str, config: dict, remote_code: list[str], weight_bytes: int = 0,
              weights_from: str = "its weight files") -> Target:
     """A Target from config.json's values; ``weight_bytes`` 0: estimated from the shape."""
-    text = config.get("text_config", config)
+    text = target.text_config(config)
     shape = target.shape_of(config)
     if not weight_bytes:
         weight_bytes, weights_from = estimate_weight_bytes(config), "estimated from config.json"
@@ -182,7 +195,7 @@ def read_model(model_dir: Path, name: str):
                               "point MODEL at the directory holding config.json (in the HF cache: models--ORG--NAME/snapshots/HASH)")
     try:
         config = json.loads(path.read_text())
-        text = config.get("text_config", config)
+        text = target.text_config(config)
         target.shape_of(config)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise UserConfigError(f"{path}: no num_hidden_layers and hidden_size ({type(error).__name__}: {error})",
@@ -272,13 +285,13 @@ def model_yaml(facts: Target) -> str:
         remote = "its directory ships Python (auto_map in " + \
             ", ".join(sorted({r.split(":")[0] for r in facts.remote_code})) + "): read it before you run it"
     else:
-        remote = "no auto_map in its configs: transformers' and vLLM's own classes"
+        remote = "no auto_map needing its Python: transformers' and vLLM's own classes"
     lines = [
         f"# {s.architecture} target ({s.num_layers} layers, hidden {s.hidden_size}), written by `make init` from its",
         "# config.json (draftline/cli/init.py). Its directory on this machine is model.path in the",
-        "# untracked conf/local.yaml, never here.",
+        f"# untracked conf/local.{facts.name}.yaml, never here.",
         f"name: {facts.name}",
-        _line("path: ???", "HF-layout model directory (required: conf/local.yaml or OVERRIDES)"),
+        _line("path: ???", "HF-layout model directory (required: conf/local.<exp>.yaml, conf/local.yaml or OVERRIDES)"),
         _line("build: null", "real model: never built"),
         _line(f"dtype: {facts.dtype}", "torch dtype vLLM runs the target in (config.json's; auto = checkpoint dtype)"),
         _line(f"trust_remote_code: {str(bool(facts.remote_code)).lower()}", remote),
@@ -292,9 +305,10 @@ def model_yaml(facts: Target) -> str:
         _line("enforce_eager: null", "null: compiled (torch.compile, CUDA graphs) on GPUs, eager on the CPU engine; true/false forces it"),
         _line("mla_disable: false", "GPUs run MLA natively (true only on vLLM's CPU platform)"),
     ]
-    if s.architecture == "KimiK25ForConditionalGeneration":
-        lines.append(_line("limit_mm_per_prompt: {vision_chunk: 0}",
-                           "text-only: vLLM 0.16 gives Kimi-K2.5 one modality, vision_chunk (count per prompt)"))
+    text_only = text_only_limits(s.architecture)
+    if text_only:
+        limits, why = text_only
+        lines.append(_line(f"limit_mm_per_prompt: {{{', '.join(f'{m}: 0' for m in limits)}}}", f"text-only: {why}"))
     return "\n".join(lines) + "\n"
 
 
@@ -305,7 +319,7 @@ def experiment_yaml(facts: Target) -> str:
     return "\n".join([
         "# @package _global_",
         f"# The run on {facts.name}, written by `make init` (draftline/cli/init.py). model.path and",
-        "# data.path are this machine's: the untracked conf/local.yaml (or OVERRIDES) sets them.",
+        f"# data.path are this machine's: the untracked conf/local.{facts.name}.yaml (or OVERRIDES) sets them.",
         "defaults:",
         f"  - override /model: {facts.name}",
         "  - override /data: file",
@@ -342,9 +356,10 @@ def machine_path(path: str, repo: Path) -> str:
 
 
 def local_paths(local: Path, wanted: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """Put ``wanted`` (model.path, data.path) into conf/local.yaml when it is absent. An existing
-    one is never rewritten: returns what it printed and the OVERRIDES every command then needs
-    (a value there for another target would otherwise fill this experiment's ``???``)."""
+    """Put ``wanted`` (model.path, data.path) into the experiment's own conf/local.<name>.yaml
+    (config.local_of), so that conf/local.yaml, or another experiment's file, never fills them.
+    An existing file (a removed experiment's, or the user's) is never rewritten: returns what it
+    printed and the OVERRIDES every command then needs."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -353,26 +368,19 @@ def local_paths(local: Path, wanted: dict[str, str]) -> tuple[str, dict[str, str
         group, leaf = key.split(".")
         nested.setdefault(group, {})[leaf] = value
     if not local.exists():
-        local.write_text("# This machine's paths (untracked): they fill what an experiment leaves required (???).\n"
+        local.write_text("# This machine's paths for one experiment (untracked): they fill what it leaves required (???).\n"
                          + yaml.safe_dump(nested, sort_keys=False))
         return f"wrote {local} (untracked): {', '.join(f'{k}={v}' for k, v in wanted.items())}", {}
     loaded = OmegaConf.load(local)
-    have = {key: OmegaConf.select(loaded, key) for key in wanted}
-    todo = {k: v for k, v in wanted.items() if have[k] != v}
+    todo = {k: v for k, v in wanted.items() if OmegaConf.select(loaded, k) != v}
     if not todo:
         return f"{local} already sets {', '.join(wanted)}", {}
-    clashes = [k for k in todo if have[k] is not None]
-    if clashes:
-        return (f"{local} sets {', '.join(clashes)} for another target and is left as it is: pass this "
-                "target's paths with OVERRIDES on every command below"), todo
-    lines = yaml.safe_dump({g: {leaf: v for leaf, v in leaves.items() if f"{g}.{leaf}" in todo}
-                            for g, leaves in nested.items() if any(f"{g}.{leaf}" in todo for leaf in leaves)},
-                           sort_keys=False)
-    return f"{local} exists and is left as it is; add:\n" + "\n".join("  " + ln for ln in lines.splitlines()), {}
+    return (f"{local} exists and sets other paths: it is left as it is; pass this target's paths "
+            "with OVERRIDES on every command below, or edit it"), todo
 
 
 def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_DIR) -> list[str]:
-    """Check MODEL and DATA, write the two yaml files and conf/local.yaml; the lines to print."""
+    """Check MODEL and DATA, write the two yaml files and conf/local.<name>.yaml; the lines to print."""
     name = name or experiment_name(model)
     if not NAME.fullmatch(name):
         raise UserConfigError(f"EXP={name}: not a config name", "letters, digits, '.', '-' and '_': e.g. EXP=qwen3-8b")
@@ -386,7 +394,7 @@ def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_D
     for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts))):
         path.write_text(text)
     repo = conf_dir.parent
-    said, overrides = local_paths(conf_dir / LOCAL, {"model.path": machine_path(model, repo),
+    said, overrides = local_paths(local_of(name, conf_dir), {"model.path": machine_path(model, repo),
                                                      "data.path": machine_path(data, repo)})
     tail = f' OVERRIDES="{" ".join(f"{k}={v}" for k, v in overrides.items())}"' if overrides else ""
     lines = [f"wrote {files[0]}: {facts.shape.architecture}, {facts.shape.num_layers} layers, hidden "
@@ -418,7 +426,7 @@ def build_cli():
              name: str = typer.Option(None, help="the experiment and model config's name; default: MODEL's directory name"),
              conf_dir: Path = typer.Option(CONF_DIR, help="where conf/ is (tests point it at a copy)")) -> None:
         """Write conf/model/NAME.yaml and conf/experiment/NAME.yaml for your own target, and its
-        paths into the untracked conf/local.yaml."""
+        paths into the untracked conf/local.<name>.yaml."""
         for line in init(model, data, name, conf_dir):
             typer.echo(line)
 

@@ -29,9 +29,7 @@ def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> 
     target.check(cfg.model.path, bool(cfg.model.trust_remote_code))
     shape = target.read_target_shape(cfg.model.path)
     target.check_layer_ids(list(cfg.model.aux_layer_ids), shape)
-    if (shape.num_layers, shape.hidden_size) != (cfg.model.num_layers, cfg.model.hidden_size):
-        raise ValueError(f"model config says {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
-            f"{cfg.model.path}/config.json says {shape.num_layers} x {shape.hidden_size}")
+    target.check_model_config(cfg.model, cfg.exp)
     if max(lengths) >= cfg.extract.max_model_len:
         raise ValueError(f"longest sample has {max(lengths)} tokens; extract.max_model_len="
             f"{cfg.extract.max_model_len} must exceed it (vLLM needs one more for the sampled token)")

@@ -37,18 +37,31 @@ from pathlib import Path
 
 from draftline import target
 from draftline.pipeline.artifacts import atomic_dir
+from draftline.rehearse import wrappers
 from draftline.tiny import targets
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")  # built as transformers' DeepseekV3
-WRAPPER_PREFIX = {"kimi_k25": targets.KIMI_K25_LANGUAGE_PREFIX}  # text weights under this prefix
+WRAPPER_PREFIX = {"kimi_k25": targets.KIMI_K25_LANGUAGE_PREFIX,  # text weights under this prefix
+                  "llama4": "language_model."}
+LLAMA4_TEXT = "llama4_text"  # Llama 4's text_config (the wrapper's model_type is "llama4")
 # Files that hold weights (or their index): never opened, never copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt",
                    ".safetensors.index.json", ".bin.index.json")
 HIDDEN, MLP, EXPERT_MLP, EXPERTS, TOP_K, HEADS_PER_RANK = 256, 512, 128, 8, 2, 2
+# The miniature's context at most: vLLM computes a rope cache of every position at start
+# (Llama 4 Scout's 10485760 positions: 5.4 GB of float32 per rank, 11 GB at its peak), and where
+# the rope's frequencies do not depend on the context length (ROPE_WITHOUT_LENGTH), fewer
+# positions rotate every kept position alike.
+MAX_POSITIONS = 262144
+ROPE_WITHOUT_LENGTH = ("default", "llama3")
 QUANT_TILE = 128  # per-rank widths of a kept INT4 quantization (group 32 and Marlin tiles divide it)
 VISION = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
           "intermediate_size": 128, "init_pos_emb_height": 8, "init_pos_emb_width": 8}
+# Llama 4's tower (Llama4VisionModel): image_size and patch_size stay the target's (its processor
+# tiles images at that size); intermediate_size follows from hidden_size (shrink_llama4_vision).
+LLAMA4_VISION = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+                 "projector_input_dim": 128, "projector_output_dim": 128, "vision_output_dim": 128}
 VISION_ALIASES = {"hidden_size": "vt_hidden_size", "num_attention_heads": "vt_num_attention_heads",
                   "num_hidden_layers": "vt_num_hidden_layers", "intermediate_size": "vt_intermediate_size"}
 
@@ -103,7 +116,20 @@ def _is_moe(text: dict, i: int) -> bool:
     return bool(text.get("num_local_experts"))  # gpt-oss, Mixtral: every layer
 
 
+def rope_flags(text: dict) -> list[int] | None:
+    """``no_rope_layers`` as vLLM reads it (0: the layer has no rope), or None. Llama 4's
+    config.json may leave it empty; transformers' config, which vLLM reads, then fills it from
+    ``no_rope_layer_interval`` (every 4th layer, by index)."""
+    flags = text.get("no_rope_layers")
+    if flags or text.get("model_type") != LLAMA4_TEXT:
+        return list(flags) if flags else None
+    interval = int(text.get("no_rope_layer_interval", 4))
+    return [int((i + 1) % interval != 0) for i in range(int(text["num_hidden_layers"]))]
+
+
 def _attention_kind(text: dict, i: int) -> str | None:
+    if text.get("model_type") == LLAMA4_TEXT:  # vLLM's llama4.py: rope layers attend in chunks, NoPE ones to all
+        return ("full" if rope_flags(text)[i] == 0 else "chunked") if text.get("attention_chunk_size") else None
     if text.get("model_type") == "gpt_oss":  # vLLM's gpt_oss.py: even layers slide, whatever layer_types says
         return "sliding" if i % 2 == 0 else "full"
     if text.get("layer_types"):
@@ -116,13 +142,13 @@ def _attention_kind(text: dict, i: int) -> str | None:
 def layer_kinds(text: dict) -> list[str]:
     """Each decoder layer's kind as vLLM builds it: "moe" or "dense", then "/sliding", "/full",
     "/chunked" where the family mixes attention kinds, "/nope" for a layer without rope."""
-    kinds = []
+    kinds, flags = [], rope_flags(text)
     for i in range(int(text["num_hidden_layers"])):
         parts = ["moe" if _is_moe(text, i) else "dense"]
         attention = _attention_kind(text, i)
         if attention is not None:
             parts.append(attention)
-        if text.get("no_rope_layers") and text["no_rope_layers"][i] == 0:
+        if flags and flags[i] == 0:
             parts.append("nope")
         kinds.append("/".join(parts))
     return kinds
@@ -172,7 +198,8 @@ def plan_layers(text: dict, aux_layer_ids: list[int]) -> LayerPlan:
 INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # layer indices: remapped, dropped layers left out
 PREFIX_COUNTS = ("max_window_layers",)  # "layers below this index": the kept ones below it
 STEPS = ("decoder_sparse_step", "interleave_moe_layer_step")  # kept: the plan aligns positions
-NOT_INDEXED = ("num_hidden_layers", "num_nextn_predict_layers", "output_router_logits")
+NOT_INDEXED = ("num_hidden_layers", "num_nextn_predict_layers", "output_router_logits",
+               "no_rope_layer_interval")  # Llama 4's: unused once the miniature writes no_rope_layers out
 
 
 def layer_fields(text: dict, plan: LayerPlan) -> dict:
@@ -192,6 +219,15 @@ def layer_fields(text: dict, plan: LayerPlan) -> dict:
             raise ValueError(f"{key}={value!r}: a layer-indexed field the miniature builder cannot "
                              f"keep consistent with its {len(plan.kept)} of {num_layers} layers")
     return updates
+
+
+def _rope_flags_written_out(text: dict) -> dict:
+    """``text`` with Llama 4's derived ``no_rope_layers`` as a list, so that the per-layer rule
+    subsets it: derived again from the interval at the kept layers' new indices, it would
+    give a kept layer another kind."""
+    if text.get("model_type") != LLAMA4_TEXT or text.get("no_rope_layers"):
+        return text
+    return {**text, "no_rope_layers": rope_flags(text)}
 
 
 def check_kinds(mini: dict, plan: LayerPlan) -> None:
@@ -239,11 +275,15 @@ def quantization_plan(quant: dict | None, device: str) -> tuple[dict | None, dic
     int4 = (method == "compressed-tensors" and quant.get("format") == "pack-quantized" and weights
             and all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("strategy") == "group"
                     for w in weights))
+    blocks = quant.get("weight_block_size") if method == "fp8" else None  # DeepSeek-V3, Kimi-K2
     what = f"quantization_config ({', '.join(filter(None, (method, quant.get('format'))))}" + (
-        f", INT4 groups of {weights[0].get('group_size')})" if int4 else ")")
+        f", INT4 groups of {weights[0].get('group_size')})" if int4 else
+        f", {quant.get('fmt') or 'fp8'} blocks of {'x'.join(map(str, blocks))})" if blocks else ")")
     if device != "cuda":
         reason = ("INT4 MoE: no CPU kernel (vLLM 0.16 runs compressed-tensors INT4 experts with "
                   "Marlin or Triton only); the miniature's weights are unquantized") if int4 else (
+                  "FP8 block MoE: no CPU kernel (vLLM 0.16 runs fp8 experts with Triton, DeepGEMM, "
+                  "CUTLASS, Marlin or FlashInfer only); the miniature's weights are unquantized") if blocks else (
                   f"{method}: not run by vLLM 0.16's CPU engine; the miniature's weights are unquantized")
         return None, {"what": what, "reason": reason}
     if not int4:
@@ -278,6 +318,20 @@ def _experts(text: dict, expert_mlp: int, mlp: int) -> dict:
         if text.get(key):
             mini[key] = expert_mlp if key == "moe_intermediate_size" else mlp
     return mini
+
+
+def _cap_positions(text: dict, mini: dict) -> list[dict]:
+    """Cap ``mini``'s max_position_embeddings at MAX_POSITIONS where the rope allows it; what
+    was dropped."""
+    positions = int(text.get("max_position_embeddings") or 0)
+    rope = str((text.get("rope_scaling") or {}).get("rope_type") or "default")
+    if positions <= MAX_POSITIONS or rope not in ROPE_WITHOUT_LENGTH:
+        return []
+    mini["max_position_embeddings"] = MAX_POSITIONS
+    return [{"what": f"max_position_embeddings {positions}",
+             "reason": f"the miniature has {MAX_POSITIONS}: vLLM computes a rope cache of every position at "
+                       f"start ({positions * int(mini['head_dim']) * 4 / 1e9:.1f} GB of float32 per rank); "
+                       f"{rope} rope rotates the positions below the cap alike"}]
 
 
 def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_size: int,
@@ -318,7 +372,10 @@ def shrink_text(text: dict, plan: LayerPlan, *, device: str, tensor_parallel_siz
             mini["attention_head_dim"] = head
         mini.update(_experts(text, (per_rank or EXPERT_MLP) * max(1, tensor_parallel_size),
                              MLP * max(1, tensor_parallel_size)))
-    mini.update(layer_fields(text, plan))
+        if model_type == LLAMA4_TEXT:  # its intermediate_size is the routed and shared experts' width
+            mini["intermediate_size"] = (per_rank or EXPERT_MLP) * max(1, tensor_parallel_size)
+        dropped += _cap_positions(text, mini)
+    mini.update(layer_fields(_rope_flags_written_out(text), plan))
     check_kinds(mini, plan)
     if not quantized:
         mini.pop("quantization_config", None)
@@ -339,6 +396,28 @@ def shrink_vision(vision: dict, text_hidden: int) -> dict:
     if "text_hidden_size" in vision:
         mini["text_hidden_size"] = text_hidden
     return mini
+
+
+def shrink_llama4_vision(vision: dict, text_hidden: int) -> dict:
+    """A two-layer Llama 4 vision tower. Its pixel shuffle hands the adapter's MLP
+    ``hidden_size / pixel_shuffle_ratio**2`` channels, which it reads as ``intermediate_size``,
+    and the adapter's output (``projector_output_dim``) is the projector's input
+    (``vision_output_dim``): both identities hold in the miniature as in the target, or the
+    field that breaks one is refused. (``text_hidden``: the projector reads the text config.)"""
+    ratio = float(vision["pixel_shuffle_ratio"])
+    shuffled = int(vision["hidden_size"] / ratio ** 2)
+    if int(vision["intermediate_size"]) != shuffled:
+        raise ValueError(f"vision_config.intermediate_size={vision['intermediate_size']}: not hidden_size / "
+                         f"pixel_shuffle_ratio**2 ({shuffled}), which vLLM's pixel shuffle feeds it; no miniature for it")
+    if vision["projector_output_dim"] != vision["vision_output_dim"]:
+        raise ValueError(f"vision_config.projector_output_dim={vision['projector_output_dim']}: not "
+                         f"vision_output_dim ({vision['vision_output_dim']}); no miniature for it")
+    mini = {**vision, **LLAMA4_VISION}
+    mini["intermediate_size"] = int(LLAMA4_VISION["hidden_size"] / ratio ** 2)
+    return mini
+
+
+VISION_SHRINKERS = {"llama4": shrink_llama4_vision}  # model_type -> its tower's; others: shrink_vision
 
 
 # --------------------------------------------------------------------------- weights
@@ -473,7 +552,7 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
     if not family.miniature:
         raise NotImplementedError(f"model_type {family.model_type!r}: the miniature builder does not make "
                                   f"this family yet; see {target.FAMILY_TABLE}")
-    text = config.get("text_config", config)
+    text = target.text_config(config)
     plan = plan_layers(text, list(aux_layer_ids))
     quant, quant_dropped = quantization_plan(config.get("quantization_config") or text.get("quantization_config"),
                                              device)
@@ -487,21 +566,31 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
         mini["text_config"] = mini_text
         if quant is None:
             mini.pop("quantization_config", None)
-        if "vision_config" in config:
-            mini["vision_config"] = shrink_vision(config["vision_config"], mini_text["hidden_size"])
+        if "vision_config" in config and not wrappers.is_wrapper(config):
+            shrink = VISION_SHRINKERS.get(str(config.get("model_type")), shrink_vision)
+            mini["vision_config"] = shrink(config["vision_config"], mini_text["hidden_size"])
     else:
         mini = mini_text
+    if wrappers.is_wrapper(config):  # a vision-language wrapper: its tower and projector too
+        mini["vision_config"] = wrappers.shrink_tower(config, mini_text["hidden_size"])
+        shrunk.update({f"vision_config.{k}": [config["vision_config"].get(k), v]
+                       for k, v in sorted(mini["vision_config"].items()) if config["vision_config"].get(k) != v})
     dtype = _checkpoint_dtype(config)
     model_type = str(config.get("model_type"))
     with atomic_dir(out_dir) as tmp:
         _copy_tokenizer_files(target_dir, tmp)
         (tmp / "config.json").write_text(json.dumps(mini, indent=2, sort_keys=True) + "\n")
-        state = _state(_text_model(mini_text, seed), WRAPPER_PREFIX.get(model_type, ""), dtype, quant)
+        if wrappers.is_wrapper(config):
+            state = _state(wrappers.build(mini, seed), "", dtype, quant)
+        else:
+            state = _state(_text_model(mini_text, seed), WRAPPER_PREFIX.get(model_type, ""), dtype, quant)
         if model_type == "kimi_k25":
             state.update(_kimi_vision(mini, seed, dtype))
             if not (tmp / "preprocessor_config.json").exists():
                 (tmp / "preprocessor_config.json").write_text(
                     json.dumps(targets.KIMI_K25_PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
+        if model_type == "llama4":
+            state.update(_llama4_vision(mini, seed, dtype))
         save_file(dict(sorted(state.items())), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return Miniature(Path(out_dir).absolute(), (config.get("architectures") or ["unknown"])[0],
                      model_type, plan, shrunk, dropped, quant)
@@ -517,6 +606,21 @@ def _kimi_vision(config: dict, seed: int, dtype: str) -> dict:
     return {name: tensor.to(getattr(torch, dtype)) for name, tensor in weights.items()}
 
 
+def _llama4_vision(config: dict, seed: int, dtype: str) -> dict:
+    """Random weights of Llama 4's vision tower and projector, named as its checkpoints name
+    them (``vision_model.*``, ``multi_modal_projector.*``): transformers' own modules."""
+    import torch
+    from transformers import Llama4Config
+    from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
+
+    parsed = Llama4Config(text_config=config["text_config"], vision_config=config["vision_config"])
+    with targets._seeded(seed + 1):  # its own stream: the text weights stay those of seed
+        modules = {"vision_model.": Llama4VisionModel(parsed.vision_config),
+                   "multi_modal_projector.": Llama4MultiModalProjector(parsed)}
+    return {prefix + name: tensor.to(getattr(torch, dtype))
+            for prefix, module in modules.items() for name, tensor in module.state_dict().items()}
+
+
 # --------------------------------------------------------------------------- reference
 
 
@@ -526,16 +630,20 @@ def load_reference(model_dir: str | Path):
     from safetensors import safe_open
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = target.text_config(config)
     if (config.get("quantization_config") or text.get("quantization_config")):
         return None, "quantized miniature: transformers' reference would need its INT4 kernels"
     model_type = config.get("model_type")
+    if wrappers.is_wrapper(config):
+        return wrappers.load_reference(model_dir), None
     if model_type == "kimi_k25":
         return targets.load_hf_kimi_k25_language_model(model_dir), None
-    if model_type in DEEPSEEK_TYPES:
+    if model_type in DEEPSEEK_TYPES or model_type in WRAPPER_PREFIX:
+        prefix = WRAPPER_PREFIX.get(model_type, "")
         model = _text_model(text, 0).to(torch.float32)
         with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as weights:
-            model.load_state_dict({n: weights.get_tensor(n).float() for n in weights.keys()}, strict=True)
+            model.load_state_dict({n[len(prefix):]: weights.get_tensor(n).float() for n in weights.keys()
+                                   if n.startswith(prefix)}, strict=True)
         model.config._attn_implementation = "eager"
         return model.eval(), None
     return targets.load_hf_model(model_dir), None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from draftline import target
 from draftline.pipeline.config import mm_limits
 
 CHECKS = ("extraction", "speculative", "serve")  # engine checks rehearse.skip may name
@@ -77,11 +78,29 @@ def _is_mla(text: dict) -> bool:
     return text.get("kv_lora_rank") is not None
 
 
+def beyond_the_rehearsed_length(text: dict, length: int) -> list[dict]:
+    """Llama 4's long-context mechanisms, which the miniature keeps and sequences of ``length``
+    tokens never reach: rope layers attend within chunks of ``attention_chunk_size`` tokens,
+    and NoPE layers scale queries by log(floor((position + 1) / floor_scale) + 1) * attn_scale
+    + 1, which is 1 below ``floor_scale`` (transformers' defaults where config.json is silent)."""
+    missing, chunk = [], text.get("attention_chunk_size")
+    if chunk and length <= int(chunk):
+        missing.append({"what": f"attention chunk boundaries (attention_chunk_size={chunk})",
+                        "reason": f"the rehearsal's sequences (at most {length} tokens) fit in one chunk: "
+                                  "its chunked layers attend as plain causal ones"})
+    floor = int(text.get("floor_scale", 8192))
+    if text.get("attn_temperature_tuning", text.get("model_type") == "llama4_text") and length < floor:
+        missing.append({"what": f"attention temperature tuning (floor_scale={floor})",
+                        "reason": f"its query scale is 1 below position {floor}; the rehearsal's "
+                                  f"sequences stop at {length} tokens"})
+    return missing
+
+
 def decide(cfg: DictConfig, on_gpu: bool, available: int,
            half_precision: bool | None = None) -> Scope:
     """The rehearsal's platform choices for ``cfg``'s run, and everything it leaves out."""
     config = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = target.text_config(config)
     model, rehearse = cfg.model, cfg.rehearse
     device, missing = ("cuda" if on_gpu else "cpu"), []
     tp = int(model.tensor_parallel_size)
@@ -122,6 +141,7 @@ def decide(cfg: DictConfig, on_gpu: bool, available: int,
         missing.append({"what": "serve.max_model_len=null (the model's own context)",
                         "reason": f"the CPU engine's KV cache (serve.cpu_kvcache_gib) cannot hold the "
                                   f"target's full context; served with extract.max_model_len={serve_len}"})
+    missing += beyond_the_rehearsed_length(text, max(int(cfg.extract.max_model_len), int(serve_len or 0)))
     limits = mm_limits(cfg)
     if "vision_config" in config and limits is not None and not any(limits.values()):
         missing.append({"what": "the vision tower", "reason": f"the run is text-only "

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from draftline import target
 from draftline.formats import write_flat_samples
 from draftline.pipeline import config
 from draftline.tiny import embedded
@@ -28,7 +29,7 @@ RENDER_ARGUMENTS = {"tools", "tokenize", "add_generation_prompt", "continue_fina
 
 def target_vocab_size(model_dir: str) -> int:
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(model_config.get("text_config", model_config)["vocab_size"])
+    return int(target.text_config(model_config)["vocab_size"])
 
 
 def run(cfg: DictConfig) -> dict:

@@ -33,6 +33,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import LlamaConfig
 from transformers.modeling_utils import AttentionInterface
 
+from draftline import target
 from draftline.target import check_layer_ids, read_target_shape
 
 __all__ = [
@@ -72,7 +73,7 @@ def read_verifier(verifier_dir: str | Path) -> VerifierInfo:
     architectures = list(config.get("architectures") or [])
     if not architectures:
         raise ValueError(f"{path}/config.json names no architectures")
-    return VerifierInfo(path, architectures, config.get("text_config") or config)
+    return VerifierInfo(path, architectures, target.text_config(config))
 
 
 def _weight_files(verifier_dir: Path) -> dict[str, Path]:
