@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# model_type -> the modalities vLLM 0.16's class registers (get_supported_mm_limits): `make init`
-# writes 0 for each, so a run is text-only and vLLM does not build the tower.
-# Every multimodal family's modalities in vLLM 0.16 (a text-only run sets each to 0, and vLLM
-# then builds no tower); the first four are built by this module's rules.
+# model_type -> the modalities vLLM 0.16's class registers (get_supported_mm_limits), for every
+# multimodal family: `make init` writes 0 for each, so a run is text-only and vLLM does not build
+# the tower. BUILT_HERE: the wrappers whose miniature this module's rules build.
 MODALITIES = {"qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"),
               "qwen3_vl_moe": ("image", "video"), "llava": ("image",),
               "kimi_k25": ("vision_chunk",), "llama4": ("image",)}
-BUILT_HERE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")  # Kimi-K2.5, Llama 4: miniature's own
+BUILT_HERE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")  # Kimi-K2.5, Llama 4: draftline.rehearse.miniature's own
 # The tower's widths in the miniature (heads of 32: every tower's rotary and attention take it).
 VISION_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_attention_heads": 2}
 VISION_DEPTH = ("depth", "num_hidden_layers")  # the tower's layer count, by family
