@@ -493,7 +493,7 @@ def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
     unigram, bigram = offline.count_tokens([first, second], rows, 8)
     assert unigram.dtype == torch.long and bigram.dtype == torch.long and bigram.shape == (8, 8)
     assert unigram.tolist() == [0, 0, 2, 1, 0, 1, 1, 0]  # 2,3 | 2 | 5,6
-    assert {(i, j): int(bigram[i, j]) for i, j in bigram.nonzero().tolist()} == {
+    assert {(i, j): int(bigram[i, j]) for i, j in bigram.to_dense().nonzero().tolist()} == {
         (1, 2): 1, (2, 3): 1, (3, 2): 1, (5, 6): 1}
     frequent, bigrams = offline.baseline_drafts(unigram, bigram)
     assert frequent.token == 2
@@ -501,9 +501,21 @@ def test_token_counts_over_several_shards_and_the_bigram_back_off(tmp_path):
     rect = torch.zeros(3, 3, dtype=torch.long)
     rect[0, 2] = 5  # 0 -> 2 only: argmax over the successors, not the predecessors
     assert offline.baseline_drafts(torch.tensor([0, 1, 0]), rect)[1].table.tolist() == [2, 1, 1]
+    assert offline.baseline_drafts(torch.tensor([0, 1, 0]), rect.to_sparse())[1].table.tolist() == [2, 1, 1]
+
     s = sample([0, 5, 0], [1, 1, 1], [0, 0, 0])
     assert bigrams.propose(s, torch.tensor([0]), 0).shape == (1, 0)
     assert bigrams.propose(s, torch.tensor([0]), 2).tolist() == [[6, 2]]
+
+
+def test_sparse_bigram_successors_are_dense_argmax_ties_included():
+    """The sparse table's successors equal the dense argmax, ties broken to the lowest id."""
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randint(0, 3, (40, 40), generator=generator)  # many ties, some empty rows
+    dense[5] = 0
+    for fallback in (0, 7):
+        assert torch.equal(offline._successors(dense.to_sparse(), fallback),
+                           offline._successors(dense.clone(), fallback))
 
 
 def test_token_counts_read_rows_by_shard_index_not_row_index(tmp_path):

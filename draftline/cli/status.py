@@ -65,9 +65,12 @@ class NotAProjectPath(ValueError):
 
 def check_owned_paths(cfg) -> None:
     """Refuse a config whose project-built inputs point at a user's path (before any write)."""
+    from draftline.public import assets as public
     from draftline.tiny import embedded
 
-    if cfg.data.build:
+    if cfg.data.build == public.PROMPTS_BUILD:
+        public.check_under_assets(cfg.data.path, cfg.assets_dir, cfg.data.build)
+    elif cfg.data.build:
         embedded.check_data_path(cfg.data.path, cfg.assets_dir)
     model_dir, assets = Path(cfg.model.path).resolve(), Path(cfg.assets_dir).resolve()
     if cfg.model.build and assets not in model_dir.parents:
@@ -82,13 +85,21 @@ def ensure_assets(cfg) -> None:
     project's own paths (``check_owned_paths``)."""
     check_owned_paths(cfg)
     model_dir = Path(cfg.model.path)
-    if cfg.model.build and not (model_dir / "config.json").exists():
+    if cfg.model.build == "smollm2":
+        from draftline.public import smollm2
+
+        smollm2.build(model_dir, cfg.assets_dir)
+    elif cfg.model.build and not (model_dir / "config.json").exists():
         from draftline.tiny import targets
 
         builders = {"tiny_llama": targets.build_tiny_llama, "tiny_deepseek_v3": targets.build_tiny_deepseek_v3,
                     "tiny_kimi_k25": targets.build_tiny_kimi_k25}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
-    if cfg.data.build:
+    if cfg.data.build == "public_prompts":
+        from draftline.public import assets
+
+        assets.ensure_prompts(cfg.data, cfg.assets_dir, int(cfg.seed))
+    elif cfg.data.build:
         from draftline.tiny import embedded
 
         embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))

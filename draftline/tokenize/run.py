@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftline import target
 from draftline.formats import write_flat_samples
 from draftline.pipeline import config
+from draftline.public import assets as public_assets
 from draftline.tiny import embedded
 from draftline.tokenize import vocab
 from draftline.tokenize.conversations import check_roles
@@ -36,7 +37,9 @@ def run(cfg: DictConfig) -> dict:
     out_dir = config.stage_dir(cfg, "tokenize")
     data, settings = cfg.data, cfg.tokenize
     # Everything that can be wrong with the config is checked before the first record.
-    if data.build:  # the embedded set is read only from its own place, never a user's path
+    if data.build == public_assets.PROMPTS_BUILD:  # project-built sets only at their own places
+        public_assets.check_under_assets(data.path, cfg.assets_dir, data.build)
+    elif data.build:  # the embedded set is read only from its own place, never a user's path
         embedded.check_data_path(data.path, cfg.assets_dir)
     budget = Budget(settings.max_skipped)
     if not isinstance(settings.chat_template_kwargs, DictConfig):
