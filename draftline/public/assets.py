@@ -31,18 +31,27 @@ def sources_path(data_path: str | Path) -> Path:
     return data_path.with_name(data_path.name + ".sources.json")
 
 
-def ensure_prompts(data, assets_dir: str | Path, seed: int) -> Path:
-    """The public training prompts at ``data.path`` (rewritten when the recipe changed)."""
+def ensure_prompts(data, assets_dir: str | Path, seed: int, model_dir: str | Path,
+                   template_kwargs: dict) -> Path:
+    """The public training prompts at ``data.path`` (rewritten when the recipe changed).
+
+    Declared tools reach the target as evaluate's benchmarks give them: through the chat
+    template where it renders tools, else as a system turn (``prompts.tools_in_system``).
+    """
+    from draftline.evaluate.benchmarks import template_renders_tools
     from draftline.public import prompts
 
     path = check_under_assets(data.path, assets_dir, PROMPTS_BUILD)
+    tools_rendered = template_renders_tools(model_dir, template_kwargs)
     recipe = {"bfcl_per_category": data.get("bfcl_per_category"), "embedded": data.get("embedded"),
-              "seed": int(seed), "train_bfcl": list(prompts.TRAIN_BFCL)}
+              "seed": int(seed), "train_bfcl": list(prompts.TRAIN_BFCL),
+              "tools": "template" if tools_rendered else "system turn"}
     sidecar = sources_path(path)
     if path.exists() and sidecar.exists() and json.loads(sidecar.read_text()).get("recipe") == recipe:
         return path
     records, info = prompts.training_records(assets_dir, bfcl_per_category=recipe["bfcl_per_category"],
-                                             embedded=recipe["embedded"], seed=int(seed))
+                                             embedded=recipe["embedded"], seed=int(seed),
+                                             tools_as_system=not tools_rendered)
     with atomic_path(path) as tmp:
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records), encoding="utf-8")
     write_json(sidecar, {"recipe": recipe, **info,

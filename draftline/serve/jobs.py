@@ -168,8 +168,94 @@ def _speculative_and_plain(request: dict) -> dict:
             "plain": _generate_timed({**request, "draft": None, "k": None})}
 
 
+def decode_batch(llm, prompts: Sequence[Sequence[int]], max_tokens: int, stop_ids: Sequence[int],
+                 k: int | None) -> dict:
+    """All prompts at once, greedy, stepping the engine by hand: each prompt's tokens and, with
+    a draft, the accepted draft tokens of each of its verification steps, plus wall seconds.
+
+    A request's first output comes from its prefill (one token, no draft verified); every
+    later step that gives it tokens verified one draft of k and gave 1 + accepted tokens. Its
+    last step is not counted: a stop token or the token cap cuts the tokens it gave, not what
+    vLLM accepted. vLLM's own counters over the batch (``counters``) are kept beside them.
+    """
+    from vllm import TokensPrompt
+
+    engine = llm.llm_engine
+    before = SpecCounters.read(engine, k) if k else None
+    params = _sampling(max_tokens, stop_ids)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"b-{index}", TokensPrompt(prompt_token_ids=list(prompt)), params)
+    given = [0] * len(prompts)
+    steps: list[list[int]] = [[] for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            index = int(output.request_id.split("-")[1])
+            now = list(output.outputs[0].token_ids)
+            new = len(now) - given[index]
+            if new > 0 and given[index] > 0 and not output.finished:
+                steps[index].append(new - 1)
+            given[index] = len(now)
+            if output.finished:
+                tokens[index] = now
+    seconds = time.perf_counter() - start
+    result = {"tokens": tokens, "seconds": seconds, "output_tokens": sum(map(len, tokens))}
+    if k:
+        result["accepted"] = steps
+        result["counters"] = SpecCounters.read(engine, k).minus(before).as_dict()
+    return result
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict], template_kwargs: dict) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                        tokenize=True, **template_kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def _benchmark(request: dict) -> dict:
+    """One benchmark's prompts decoded greedily with the draft, turn by turn (a later turn is
+    asked after the target's own earlier answers), then, when ``plain`` is set, the same
+    rendered prompts by the plain engine for the speed-up. Items: ``turns``, ``tools``,
+    ``system``, ``tools_in_system`` (the tools as that system text, for a template that
+    renders none)."""
+    from vllm import LLM
+
+    options, k = EngineOptions(**request["options"]), int(request["k"])
+    kwargs = dict(request.get("chat_template_kwargs") or {})
+    llm = LLM(**llm_kwargs(options, request["draft"], k))
+    tokenizer = llm.get_tokenizer()
+    items = request["items"]
+    histories = []
+    for item in items:
+        system = "\n\n".join(filter(None, [item.get("system"), item.get("tools_in_system")]))
+        histories.append([{"role": "system", "content": system}] if system else [])
+    turns, rendered = [], []
+    for turn in range(max(len(item["turns"]) for item in items)):
+        asked = [i for i, item in enumerate(items) if turn < len(item["turns"])]
+        prompts = []
+        for i in asked:
+            histories[i].append({"role": "user", "content": items[i]["turns"][turn]})
+            tools = [] if items[i].get("tools_in_system") else items[i].get("tools", [])
+            prompts.append(_render(tokenizer, histories[i], tools, kwargs))
+        decoded = decode_batch(llm, prompts, int(request["max_tokens"]), request["stop_ids"], k)
+        for j, i in enumerate(asked):
+            histories[i].append({"role": "assistant", "content": tokenizer.decode(
+                decoded["tokens"][j], skip_special_tokens=True)})
+        turns.append({"items": asked, "prompts": prompts, **decoded})
+        rendered.append(prompts)
+    _shutdown(llm)
+    result = {"turns": turns}
+    if request.get("plain"):
+        llm = LLM(**llm_kwargs(options, None, None))
+        result["plain"] = [decode_batch(llm, prompts, int(request["max_tokens"]), request["stop_ids"], None)
+                           for prompts in rendered]
+        _shutdown(llm)
+    return result
+
+
 JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed,
-        "speculative-and-plain": _speculative_and_plain}
+        "speculative-and-plain": _speculative_and_plain, "benchmark": _benchmark}
 
 
 # --------------------------------------------------------------------------- jobs (parent side)
