@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -366,69 +367,100 @@ COMMON = ("steps", "data", "run_setup", "saved_config")
 ADAPTED = {"cpu": ("device", "compile", *COMMON, "loader"), "cuda": ("precision", *COMMON)}
 
 
-def run(cfg, args: argparse.Namespace, device: str, applied_numerics: dict) -> dict:
-    import torch
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the run reads: prepare's split over extract's shards, train's vocabulary mapping,
+    the aux ids extract captured, and the sizes of draftline's own run (or the flags')."""
+
+    shards: list[str]
+    index: Path
+    vocab: Path
+    aux_ids: list[int]
+    steps: int
+    budget: int  # tokens per step (speculators' total_seq_len)
+    ttt_steps: int
+    num_layers: int
+    seed: int
+    prepare_manifest: Path
+
+    @classmethod
+    def read(cls, cfg, steps: int | None, budget: int | None) -> "Inputs":
+        from draftline.pipeline import artifacts, config
+        from draftline.train.run import vocab_path
+
+        prepare_dir = config.stage_dir(cfg, "prepare")
+        prepared = artifacts.read_manifest(prepare_dir)
+        extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
+        inputs = cls(
+            shards=list(prepared["shards"]), index=prepare_dir / prepared["index"],
+            vocab=vocab_path(cfg), aux_ids=[int(i) for i in extract["aux_layer_ids"]],
+            steps=int(cfg.train.steps if steps is None else steps),
+            budget=int(cfg.train.max_tokens_per_step if budget is None else budget),
+            ttt_steps=int(cfg.train.ttt_steps), num_layers=int(cfg.train.num_layers),
+            seed=int(cfg.train.seed), prepare_manifest=prepare_dir / artifacts.MANIFEST)
+        if inputs.steps < 1 or inputs.budget < 2:
+            raise ValueError(f"need steps >= 1 and a token budget >= 2, got {inputs.steps} "
+                             f"and {inputs.budget}")
+        return inputs
+
+
+def loaders(inputs: Inputs, cuda: bool) -> tuple:
+    """(train loader, its ``StepBatches``, validation loader or None), each through
+    speculators' sampler and collate at the token budget."""
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from speculators.train.trainer import Trainer, TrainerConfig
 
     from draftline import formats
-    from draftline.pipeline import artifacts, config
+
+    def sampler(dataset):
+        return MultipackDistributedBatchSamplerV2(
+            batch_max_length=inputs.budget, lengths=dataset.approx_lengths, num_replicas=1,
+            rank=0, seed=inputs.seed)
+
+    train_set = anchor_dataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN),
+                               len(inputs.aux_ids), noise=True)
+    batches = StepBatches(sampler(train_set), inputs.steps, train_set.approx_lengths,
+                          inputs.budget)
+    val_rows = formats.load_split(inputs.index, formats.VALIDATION)
+    val_loader = None
+    if len(val_rows):
+        val_set = anchor_dataset(inputs.shards, val_rows, len(inputs.aux_ids), noise=False)
+        val_loader = make_loader(val_set, sampler(val_set), inputs.budget, cuda)
+    return make_loader(train_set, batches, inputs.budget, cuda), batches, val_loader
+
+
+def train(cfg, inputs: Inputs, device: str, checkpoints: Path) -> tuple["MetricsTap", dict]:
+    """speculators' Trainer on a fresh draft; returns what it logged and the timings."""
+    import torch
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    from draftline.formats import load_vocab_mapping
     from draftline.pipeline.progress import Progress
-    from draftline.train.run import vocab_path
 
     cuda = device.startswith("cuda")
-    prepare_dir = config.stage_dir(cfg, "prepare")
-    prepared = artifacts.read_manifest(prepare_dir)
-    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
-    aux_ids = [int(i) for i in extract["aux_layer_ids"]]
-    index = prepare_dir / prepared["index"]
-    vocab = vocab_path(cfg)
-    d2t, t2d = formats.load_vocab_mapping(vocab)
-    steps = int(args.steps if args.steps is not None else cfg.train.steps)
-    budget = int(args.max_tokens_per_step or cfg.train.max_tokens_per_step)
-    ttt_steps, seed = int(cfg.train.ttt_steps), int(cfg.train.seed)
-    num_layers = int(cfg.train.num_layers)
-    if steps < 1 or budget < 2:
-        raise ValueError(f"need steps >= 1 and a token budget >= 2, got {steps} and {budget}")
-    out = Path(args.out) if args.out else Path(cfg.run_dir) / "anchor"
-    checkpoints = out / CHECKPOINTS
+    d2t, t2d = load_vocab_mapping(inputs.vocab)
     shutil.rmtree(checkpoints, ignore_errors=True)  # adaptation 7: never resume
-
-    torch.manual_seed(seed)
-    model = build_draft(str(cfg.model.path), num_layers, ttt_steps, d2t, t2d, aux_ids)
-    train_set = anchor_dataset(prepared["shards"], formats.load_split(index, formats.TRAIN),
-                               len(aux_ids), noise=True)
-    sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=budget, lengths=train_set.approx_lengths, num_replicas=1, rank=0,
-        seed=seed)
-    batches = StepBatches(sampler, steps, train_set.approx_lengths, budget)
-    train_loader = make_loader(train_set, batches, budget, cuda)
-    val_loader = None
-    val_rows = formats.load_split(index, formats.VALIDATION)
-    if len(val_rows):
-        val_set = anchor_dataset(prepared["shards"], val_rows, len(aux_ids), noise=False)
-        val_loader = make_loader(val_set, MultipackDistributedBatchSamplerV2(
-            batch_max_length=budget, lengths=val_set.approx_lengths, num_replicas=1, rank=0,
-            seed=seed), budget, cuda)
+    torch.manual_seed(inputs.seed)
+    model = build_draft(str(cfg.model.path), inputs.num_layers, inputs.ttt_steps, d2t, t2d,
+                        inputs.aux_ids)
     if cuda:
         autocast_forward(model)
-    call = {"use_off_policy_tokens": False, "ttt_steps": ttt_steps,
+    train_loader, batches, val_loader = loaders(inputs, cuda)
+    call = {"use_off_policy_tokens": False, "ttt_steps": inputs.ttt_steps,
             "ttt_step_loss_decay": TTT_STEP_LOSS_DECAY}
-    trainer_config = TrainerConfig(
+    trainer = Trainer(model, TrainerConfig(
         lr=SPECULATORS_LR, num_epochs=1, save_path=str(checkpoints),
         resume_from_checkpoint=False, is_distributed=False,
         local_rank=(torch.device(device).index or 0) if cuda else "cpu",
-        train_call_kwargs=call, val_call_kwargs=call)
-    trainer = Trainer(model, trainer_config, train_loader, val_loader)
-    sampler.set_epoch(0)
-    per_pass = len(sampler)  # steps in one pass over the train split (epoch 0's packing)
+        train_call_kwargs=call, val_call_kwargs=call), train_loader, val_loader)
+    batches.sampler.set_epoch(0)
+    per_pass = len(batches.sampler)  # steps of one pass over the train split (epoch 0)
     log.info("speculators %s Trainer on %s (%s): %d steps of %d tokens, lr %.1e, TTT %d; "
              "%d train samples, %d batches per pass", importlib.metadata.version("speculators"),
-             device, "bf16 autocast" if cuda else "float32", steps, budget, SPECULATORS_LR,
-             ttt_steps, len(train_set), per_pass)
+             device, "bf16 autocast" if cuda else "float32", inputs.steps, inputs.budget,
+             SPECULATORS_LR, inputs.ttt_steps, len(train_loader.dataset), per_pass)
 
-    progress = Progress("anchor", steps, unit="steps", interval=0.0, logger=log)
-    tap = MetricsTap(progress, batches.tokens, ttt_steps)
+    progress = Progress("anchor", inputs.steps, unit="steps", interval=0.0, logger=log)
+    tap = MetricsTap(progress, batches.tokens, inputs.ttt_steps)
     metrics_logger = logging.getLogger("speculators.metrics")
     metrics_logger.setLevel(logging.INFO)
     metrics_logger.propagate = False  # its dict records are the tap's, not the console's
@@ -438,54 +470,70 @@ def run(cfg, args: argparse.Namespace, device: str, applied_numerics: dict) -> d
         trainer.run_training()
     finally:
         metrics_logger.removeHandler(tap)
-    seconds = time.monotonic() - start
-    if len(tap.train) != steps:
-        raise RuntimeError(f"the Trainer ran {len(tap.train)} steps, {steps} were planned")
-
-    draft = save_draft(checkpoints / "0", out / DRAFT, aux_ids)
-    vllm, skipped = vllm_parse(draft, aux_ids, int(d2t.numel()))
+    if len(tap.train) != inputs.steps:
+        raise RuntimeError(f"the Trainer ran {len(tap.train)} steps, {inputs.steps} were planned")
     losses = [m["loss"] for m in tap.train]
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite loss in the anchor's run: {losses}")
-    # steps 2..N only: the first one carries compilation (CUDA) and the first batch's load.
-    steady = tap.step_times[-1] - tap.step_times[0] if steps > 1 else None
-    manifest = {
-        "exp": str(cfg.exp), "device": device, "command": " ".join(
-            ["python -m benchmarks.anchor", *(sys.argv[1:] if args.argv is None else args.argv)]),
-        "precision": "bf16 autocast over float32 weights" if cuda else "float32",
-        "speculators_version": importlib.metadata.version("speculators"),
-        "torch_version": torch.__version__,
-        "steps": steps, "max_tokens_per_step": budget, "tokens": progress.tokens,
-        "fill": progress.tokens / (steps * budget),
-        "seconds": round(seconds, 3), "train_seconds": round(progress.last_work - progress.start, 3),
+    # Steady: steps 2..N, without the first step's compilation (CUDA) and first batch.
+    steady = tap.step_times[-1] - tap.step_times[0] if inputs.steps > 1 else None
+    return tap, {
+        "seconds": round(time.monotonic() - start, 3),  # training, validation and the save
+        "train_seconds": round(progress.last_work - progress.start, 3),
+        "tokens": progress.tokens, "fill": progress.tokens / (inputs.steps * inputs.budget),
         "tokens_per_second": progress.tokens_per_second(),
         "steady_tokens_per_second": sum(tap.step_tokens[1:]) / steady if steady else None,
+        "data_epochs": batches.data_epochs, "batches_per_pass": per_pass,
+        "draft_vocab_size": int(d2t.numel()),
+    }
+
+
+def run(cfg, inputs: Inputs, device: str, out: Path, command: str, numerics: dict) -> dict:
+    """Train, save the draft, check it as train checks its own, write the manifest."""
+    import torch
+
+    from draftline.pipeline import artifacts
+
+    cuda = device.startswith("cuda")
+    tap, measured = train(cfg, inputs, device, out / CHECKPOINTS)
+    draft = save_draft(out / CHECKPOINTS / "0", out / DRAFT, inputs.aux_ids)
+    vllm, skipped = vllm_parse(draft, inputs.aux_ids, measured["draft_vocab_size"])
+    losses = [m["loss"] for m in tap.train]
+    manifest = {
+        "exp": str(cfg.exp), "command": command, "device": device,
+        "precision": "bf16 autocast over float32 weights" if cuda else "float32",
+        "speculators_version": importlib.metadata.version("speculators"),
+        "torch_version": torch.__version__, "numerics": numerics,
+        "steps": inputs.steps, "max_tokens_per_step": inputs.budget, **measured,
         "loss_first": losses[0], "loss_last": losses[-1], "loss_history": losses,
         "lr_history": tap.lrs, "final": tap.train[-1], "validation": tap.validation,
-        "data_epochs": batches.data_epochs or 1,
-        "batches_per_pass": per_pass,
         "recipe": {"optimizer": "torch.optim.AdamW(model.named_parameters()), default kernel",
-                   "lr": SPECULATORS_LR, "scheduler": "linear", "warmup_steps": steps // 100,
-                   "total_steps": steps, "grad_clip": 1.0, "ttt_steps": ttt_steps,
-                   "ttt_step_loss_decay": TTT_STEP_LOSS_DECAY, "num_layers": num_layers,
-                   "norm_before_residual": NORM_BEFORE_RESIDUAL, "noise": {
-                       "kind": "AddUniformNoise", "std": NOISE_STD, "tensors": list(HIDDEN_KEYS)},
-                   "sampler": "MultipackDistributedBatchSamplerV2", "seed": seed},
+                   "lr": SPECULATORS_LR, "scheduler": "linear",
+                   "warmup_steps": inputs.steps // 100,  # the Trainer's default: 1%
+                   "total_steps": inputs.steps, "grad_clip": 1.0, "ttt_steps": inputs.ttt_steps,
+                   "ttt_step_loss_decay": TTT_STEP_LOSS_DECAY, "num_layers": inputs.num_layers,
+                   "norm_before_residual": NORM_BEFORE_RESIDUAL,
+                   "noise": {"kind": "AddUniformNoise", "std": NOISE_STD,
+                             "tensors": list(HIDDEN_KEYS)},
+                   "sampler": "MultipackDistributedBatchSamplerV2", "seed": inputs.seed},
+        # draftline's own run of this experiment, to set beside the anchor's
         "draftline_train": {"lr": float(cfg.train.lr), "steps": int(cfg.train.steps),
                             "max_tokens_per_step": int(cfg.train.max_tokens_per_step),
                             "precision": str(cfg.train.precision)},
-        "draft": str(draft), "checkpoint": str(checkpoints / "0"), "aux_layer_ids": aux_ids,
-        "draft_vocab_size": int(d2t.numel()), "verifier": str(cfg.model.path),
-        "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(prepare_dir / artifacts.MANIFEST),
-                   "vocab_sha256": artifacts.sha256_file(vocab)},
-        "numerics": applied_numerics, "vllm": vllm, "skipped": skipped,
+        "draft": str(draft), "checkpoint": str(out / CHECKPOINTS / "0"),
+        "aux_layer_ids": inputs.aux_ids, "verifier": str(cfg.model.path),
+        "vllm": vllm, "skipped": skipped,
+        "inputs": {"prepare_manifest_sha256": artifacts.sha256_file(inputs.prepare_manifest),
+                   "vocab_sha256": artifacts.sha256_file(inputs.vocab)},
         "adaptations": [{"what": k, "why": ADAPTATIONS[k]}
                         for k in ADAPTED["cuda" if cuda else "cpu"]],
     }
     artifacts.write_json(out / artifacts.MANIFEST, manifest)
-    log.info("anchor: %d steps, %d tokens in %.1f s (training %.1f s): %.0f tok/s; loss %.4f -> "
-             "%.4f; draft %s", steps, progress.tokens, seconds, manifest["train_seconds"],
-             manifest["tokens_per_second"], losses[0], losses[-1], draft)
+    log.info("anchor: %d steps, %d tokens in %.1f s (training %.1f s): %.0f tok/s (steady %s); "
+             "loss %.4f -> %.4f; draft %s", inputs.steps, measured["tokens"],
+             measured["seconds"], measured["train_seconds"], measured["tokens_per_second"],
+             "n/a" if measured["steady_tokens_per_second"] is None
+             else f"{measured['steady_tokens_per_second']:.0f}", losses[0], losses[-1], draft)
     return manifest
 
 
@@ -521,7 +569,6 @@ def vllm_parse(draft: Path, aux_ids: list[int], draft_vocab_size: int) -> tuple[
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    args.argv = None if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from draftline.pipeline import config, launch, numerics
@@ -531,7 +578,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not device.startswith("cuda"):
         disable_compile_before_speculators()
     applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
-    return run(cfg, args, device, applied)
+    inputs = Inputs.read(cfg, args.steps, args.max_tokens_per_step)
+    out = args.out or Path(cfg.run_dir) / "anchor"
+    command = " ".join(["python -m benchmarks.anchor",
+                        *(sys.argv[1:] if argv is None else argv)])
+    return run(cfg, inputs, device, out, command, applied)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from draftline.evaluate import gate
+from draftline.evaluate import benchmarks, gate
 from draftline.pipeline import artifacts, config
 
 log = logging.getLogger("draftline.evaluate")
@@ -83,6 +83,27 @@ def vllm_failures(cfg: DictConfig, measured: dict | None) -> list[str]:
     return failures
 
 
+def compare_drafts(cfg: DictConfig, extract: dict, samples: list, k: int, stats: dict,
+                   skipped: list) -> dict:
+    """Each draft of ``evaluate.compare`` (label: speculators-format directory, e.g. one trained
+    by speculators' own Trainer or a published one) measured as the run's draft is: offline on
+    the held-out split and on the standard benchmarks in vLLM. No gate: they are references."""
+    from draftline.evaluate.offline import evaluate_offline
+    from draftline.evaluate.rollout import DraftRunner, Eagle3Draft, load_draft
+
+    out = {}
+    for label, path in (cfg.evaluate.compare or {}).items():
+        other = Path(str(path))
+        check_features(other, extract)
+        proposer = Eagle3Draft(DraftRunner(load_draft(other, cfg.model.path)))
+        log.info("compared draft %s (%s): offline and on the benchmarks", label, other)
+        out[str(label)] = {
+            "draft": str(other), "sha256": artifacts.sha256_tree(other),
+            "offline": evaluate_offline([proposer], samples, k, **stats)["eagle3"],
+            "benchmarks": benchmarks.run(cfg, other, k, [], stats, skipped)}
+    return out
+
+
 def run(cfg: DictConfig) -> dict:
     import torch
 
@@ -126,9 +147,8 @@ def run(cfg: DictConfig) -> dict:
     regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
     on_target_text = regenerated["replies"] == "target"
     measured = measure_in_vllm(cfg, draft, k, samples, proposers[0], stats, skipped, on_target_text)
-    from draftline.evaluate import benchmarks
-
     standard = benchmarks.run(cfg, draft, k, proposers[1:], stats, skipped)
+    compared = compare_drafts(cfg, extract, samples, k, stats, skipped)
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = check_vllm_load(draft, cfg.model.path, k,
@@ -147,7 +167,7 @@ def run(cfg: DictConfig) -> dict:
         "baselines_from": "training-split assistant-token counts "
                           "(unigram mode; bigram argmax with unigram back-off)",
         "draft_vocab_coverage_of_greedy": greedy_coverage(samples, model.t2d, k),
-        "in_vllm": measured, "vllm_load": vllm, "benchmarks": standard,
+        "in_vllm": measured, "vllm_load": vllm, "benchmarks": standard, "compared": compared,
     }
     results["gate"] = gate.judge(gate.read_floor(cfg, k), offline, cfg.evaluate.gate, cfg.evaluate.baseline_gate)
     artifacts.write_json(out_dir / "results.json", results)  # kept even when a check fails
