@@ -8,10 +8,11 @@
 What it is for: draftline trains its draft with its own loop (``draftline.train.loop``); this
 trains one the way speculators 0.3.0 does, on exactly the same inputs, so the two drafts (and
 their speeds) can be compared.  Same inputs: the train split of prepare's index over extract's
-shards, the vocabulary mapping train uses (``draftline.train.run.vocab_path``), the run's target
-(``model.path``), the aux layer ids extract captured, ``train.ttt_steps``, ``train.num_layers``,
-``train.seed`` and the token budget per step ``train.max_tokens_per_step`` (``--max-tokens-per-step``
-replaces it); ``train.steps`` optimizer steps unless ``--steps`` says otherwise.
+shards, the vocabulary mapping train uses (``draftline.train.run.vocab_path``), the run's
+target (``model.path``), the aux layer ids extract captured, ``train.ttt_steps``,
+``train.num_layers``, ``train.seed`` and the token budget per step
+``train.max_tokens_per_step`` (``--max-tokens-per-step`` replaces it); ``train.steps``
+optimizer steps unless ``--steps`` says otherwise.
 
 speculators' own, unchanged: its ``Trainer`` and ``TrainerConfig`` (AdamW over
 ``model.named_parameters()`` with torch's default kernel at its script's default lr 1e-4, its
@@ -21,10 +22,11 @@ linear schedule with 1% warm-up, its forward/TTT loss, grad clip 1.0, its
 ``simple_flex_attention``, ``norm_before_residual=True``, greedy proposals with
 ``speculative_tokens`` = the TTT steps, ``Eagle3DraftModel`` (speculators' class, not
 draftline's subclass); its batch sampler ``MultipackDistributedBatchSamplerV2`` and collate
-``create_collate_fn`` at the token budget; its training-data noise ``AddUniformNoise(std=0.05)`` on
-``hidden_states`` and ``verifier_last_hidden_states`` (none for validation); its validation pass
-over the validation split after training; ``ttt_step_loss_decay=1.0`` and
-``use_off_policy_tokens=False``.  ``AnchorDataset`` yields per sample exactly what
+``create_collate_fn`` at the token budget; its training-data noise
+``AddUniformNoise(std=0.05)`` on ``hidden_states`` and ``verifier_last_hidden_states`` (none
+for validation); its validation pass over the validation split after training;
+``ttt_step_loss_decay=1.0`` and ``use_off_policy_tokens=False``.  ``AnchorDataset`` yields
+per sample exactly what
 speculators' ``Eagle3SampleFileDataset.__getitem__`` yields for the same sample saved in its
 v1 ``.pt`` format: speculators' ``standardize_data_v1`` (aux slots concatenated, final slot as
 ``verifier_last_hidden_states``), hidden states in float32, ``lengths``, ``position_ids``, the
@@ -53,9 +55,9 @@ What had to be adapted, and why (also written into the manifest's ``adaptations`
 5. Data.  ``Eagle3SampleFileDataset`` reads one ``.pt`` per sample; draftline has shards, so
    ``AnchorDataset`` reads the same sample from them (above).  speculators' sampler packs by
    ``approx_lengths`` (file size over the first file's size, times that sample's length
-   after the shift); here they are the exact lengths after the shift.  speculators' split (``split_files``, 90/10
-   by file) is replaced by prepare's train/validation split.  The sampler's seed is
-   ``train.seed`` (its script leaves it at 0, the default seed).
+   after the shift); here they are the exact lengths after the shift.  speculators' split
+   (``split_files``, 90/10 by file) is replaced by prepare's train/validation split.  The
+   sampler's seed is ``train.seed`` (its script leaves it at 0, the default seed).
 6. Loader.  speculators' script uses 12 workers, prefetch 4, pinned memory: on CUDA those; on
    CPU (tests, 2-core machines) no workers and no pinning.
 7. Run setup.  The checkpoint directory is emptied first and ``resume_from_checkpoint=False``
@@ -79,9 +81,22 @@ validation metrics, versions, the adaptations).
 Printed per step: ``anchor STEP/TOTAL steps (steps/s, tok/s, ETA) | loss ... | lr ...``,
 tokens counting real tokens (padding excluded, as draftline's train counts them).
 
-Measured on this 2-core CPU (no GPU; torch 2.10, speculators 0.3.0, EXP=tiny: hidden 256,
-draft vocab 256, 512 tokens per step, TTT 3, float32, eager flex attention,
-``numerics.torch_threads=1``, shared with other work): see the module's report; re-measure.
+Where the anchor's recipe differs from draftline's own run of the same experiment (by
+speculators' defaults, not by adaptation; the manifest's ``recipe`` and ``draftline_train``
+say which): lr 1e-4 (draftline: ``train.lr``, 3e-4 by default); ``norm_before_residual=True``
+(draftline: False); uniform noise on the inputs and targets (draftline: none); the draft
+layer's rope from ``LlamaConfig``'s defaults (draftline copies the verifier's ``rope_theta``);
+float32 on one GPU in speculators itself (here bf16 autocast, as draftline); its sampler's
+packing instead of draftline's step planner.  speculators reads the verifier through
+``AutoConfig`` and the tensors ``model.embed_tokens.weight``/``lm_head.weight``, so targets
+that need remote code or keep their weights under another prefix (Kimi-K2.5) do not build.
+
+Not run on a GPU yet: the CUDA path (compiled forward, bf16 autocast wrapper, 12 workers) is
+written from speculators' script and draftline's ``benchmarks.train`` reference step.
+Measured on this 2-core CPU shared with other work (no GPU; torch 2.10, EXP=tiny: hidden 256,
+draft vocab 256, 512 tokens per step, TTT 3, float32, eager flex attention): 5 steps in
+40-80 s, 56-139 tokens/s (5-8 s per step while the machine was loaded, 1.1 s at best), the
+validation pass over 38 samples 25-36 s.
 """
 
 from __future__ import annotations
@@ -127,7 +142,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="token budget per step (default: train.max_tokens_per_step)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: <run_dir>/anchor)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. numerics.torch_threads=1")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides, e.g. numerics.torch_threads=1")
     return parser.parse_args(argv)
 
 
