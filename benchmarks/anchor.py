@@ -202,55 +202,60 @@ class StepBatches:
             epoch += 1
 
 
-def anchor_dataset(shards: Sequence[str], rows, num_aux: int, noise: bool):
-    """An ``AnchorDataset`` (defined here so that speculators is imported only after the
-    compile switch): ``rows`` is one split of prepare's index, int64 [n, 3]."""
-    import torch
-    from speculators.train.data import shift_batch, standardize_data_v1
-    from speculators.train.noise_transforms import AddUniformNoise
+class AnchorDataset:
+    """One split-index row -> what ``Eagle3SampleFileDataset.__getitem__`` yields for it.
 
-    from draftline import formats
-    from draftline.train.loader import ShardSampleDataset
+    draftline's ``ShardSampleDataset`` checks the rows against the shards and maps them; the
+    item itself is rebuilt in speculators' order: its v1 sample dict (``hidden_states`` a list
+    of [T, H] slots, aux first, final last), ``standardize_data_v1``, hidden states to float32,
+    ``lengths`` [1] and ``position_ids`` [T], the transform (``noise``: speculators' training
+    noise), ``shift_batch``.  A module-level class that imports speculators only when built
+    (after the compile switch), and pickles into DataLoader workers (mapped shards reopen there).
+    """
 
-    class AnchorDataset(ShardSampleDataset):
-        """One split-index row -> what ``Eagle3SampleFileDataset.__getitem__`` yields for it.
+    def __init__(self, shards: Sequence[str], rows, num_aux: int, noise: bool):
+        import torch
+        from speculators.train.noise_transforms import AddUniformNoise
 
-        ``ShardSampleDataset`` checks the rows against the shards and maps them; the item
-        itself is rebuilt in speculators' order: its v1 sample dict (``hidden_states`` a list
-        of [T, H] slots, aux first, final last), ``standardize_data_v1``, hidden states to
-        float32, ``lengths`` [1] and ``position_ids`` [T], the transform, ``shift_batch``.
-        """
+        from draftline.train.loader import ShardSampleDataset
 
-        def __init__(self):
-            super().__init__(shards, rows, num_aux_slots=num_aux, hidden_dtype=torch.float32)
-            self.transform = (AddUniformNoise(std=NOISE_STD, tensors=HIDDEN_KEYS) if noise
-                              else None)
-            # What speculators' estimate approximates: each item's length (after the shift;
-            # its estimate scales the first file's shifted length by file size).
-            self.approx_lengths = list(self.lengths)
+        self.samples = ShardSampleDataset(shards, rows, num_aux_slots=num_aux,
+                                          hidden_dtype=torch.float32)
+        self.transform = AddUniformNoise(std=NOISE_STD, tensors=HIDDEN_KEYS) if noise else None
+        # What speculators' estimate approximates: each item's length after the shift (its
+        # estimate scales the first file's shifted length by each file's size).
+        self.approx_lengths = list(self.samples.lengths)
 
-        def v1_sample(self, index: int) -> dict:
-            views, start, length = self._locate(index)
-            span = slice(start, start + length)
-            slots = views.hidden[span]  # [T, aux + 1, H], stored dtype
-            if views.scales is not None:  # fp8 shards: value * scale
-                slots = formats.dequantize(slots, views.scales[span], torch.float32)
-            return {"input_ids": views.input_ids[span].clone(),
-                    "loss_mask": views.loss_mask[span].to(torch.long),
-                    "hidden_states": list(slots.unbind(dim=1))}  # aux + 1 of [T, H]
+    def __len__(self) -> int:
+        return len(self.samples)
 
-        def __getitem__(self, index: int) -> dict:
-            data = standardize_data_v1(self.v1_sample(index))
-            data = {k: v.to(torch.float32) if "hidden_states" in k else v
-                    for k, v in data.items()}
-            seq_len = data["input_ids"].shape[0]
-            data["lengths"] = torch.tensor([seq_len], dtype=torch.long)
-            data["position_ids"] = torch.arange(seq_len, dtype=torch.long)
-            if self.transform:
-                data = self.transform(data)
-            return shift_batch(data)
+    def v1_sample(self, index: int) -> dict:
+        """The sample as speculators' data generation saves it (v1 ``.pt`` contents)."""
+        import torch
 
-    return AnchorDataset()
+        from draftline import formats
+
+        views, start, length = self.samples._locate(index)
+        span = slice(start, start + length)
+        slots = views.hidden[span]  # [T, aux + 1, H], stored dtype
+        if views.scales is not None:  # fp8 shards: value * scale
+            slots = formats.dequantize(slots, views.scales[span], torch.float32)
+        return {"input_ids": views.input_ids[span].clone(),
+                "loss_mask": views.loss_mask[span].to(torch.long),
+                "hidden_states": list(slots.unbind(dim=1))}  # aux + 1 of [T, H]
+
+    def __getitem__(self, index: int) -> dict:
+        import torch
+        from speculators.train.data import shift_batch, standardize_data_v1
+
+        data = standardize_data_v1(self.v1_sample(index))
+        data = {k: v.to(torch.float32) if "hidden_states" in k else v for k, v in data.items()}
+        seq_len = data["input_ids"].shape[0]
+        data["lengths"] = torch.tensor([seq_len], dtype=torch.long)
+        data["position_ids"] = torch.arange(seq_len, dtype=torch.long)
+        if self.transform:
+            data = self.transform(data)
+        return shift_batch(data)
 
 
 def make_loader(dataset, batch_sampler, max_len: int, cuda: bool):
@@ -432,14 +437,14 @@ def loaders(inputs: Inputs, cuda: bool) -> tuple:
             batch_max_length=inputs.budget, lengths=dataset.approx_lengths, num_replicas=1,
             rank=0, seed=inputs.seed)
 
-    train_set = anchor_dataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN),
-                               len(inputs.aux_ids), noise=True)
+    train_set = AnchorDataset(inputs.shards, formats.load_split(inputs.index, formats.TRAIN),
+                              len(inputs.aux_ids), noise=True)
     batches = StepBatches(sampler(train_set), inputs.steps, train_set.approx_lengths,
                           inputs.budget)
     val_rows = formats.load_split(inputs.index, formats.VALIDATION)
     val_loader = None
     if len(val_rows):
-        val_set = anchor_dataset(inputs.shards, val_rows, len(inputs.aux_ids), noise=False)
+        val_set = AnchorDataset(inputs.shards, val_rows, len(inputs.aux_ids), noise=False)
         val_loader = make_loader(val_set, sampler(val_set), inputs.budget, cuda)
     return make_loader(train_set, batches, inputs.budget, cuda), batches, val_loader
 

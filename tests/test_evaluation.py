@@ -627,6 +627,7 @@ def decoded(pair, tmp_path_factory):
             mask[len(prompt):] = True
             samples[ids].append(offline.Sample(tokens, mask, torch.cat([hidden[i] for i in ids], -1), next_tokens))
     measured = jobs.measure_replies(options, draft_dir, 3, prompts, [24] * 6, stops)
+    measured["draft"] = draft_dir
     return samples, measured, rollout.DraftRunner(rollout.load_draft(draft_dir, target_dir))
 
 
@@ -649,6 +650,27 @@ def test_vllm_speculative_decoding_is_lossless_and_takes_the_simulated_steps(dec
     counters = measured["counters"]
     assert counters["drafts"] == sum(len(r["accepted"]) for r in measured["replies"])
     assert counters["accepted"] == sum(sum(r["accepted"]) for r in measured["replies"])
+
+
+@pytest.mark.vllm
+def test_a_batched_decode_reads_each_requests_verdicts_as_one_at_a_time_does(pair, decoded):
+    """The standard benchmarks decode all prompts at once and read each request's accepted
+    counts from the tokens each step gave it (jobs.decode_batch); one request at a time, vLLM's
+    counters give them directly. Same tokens, same verdicts, less each request's last step."""
+    from draftline.serve import jobs
+
+    target_dir, _ = pair
+    _, measured, _ = decoded
+    draft_dir = measured["draft"]
+    options = EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
+    prompts = [[0, 4, 60 + i, 70, 80, 6, 5] for i in range(6)]
+    batched = jobs.run_job("decode-batch", {"draft": str(draft_dir), "k": 3, "prompts": prompts,
+                                            "max_tokens": 24, "stop_ids": greedy.stop_token_ids(target_dir)},
+                           options)
+    assert batched["tokens"] == [r["tokens"] for r in measured["replies"]]
+    assert batched["accepted"] == [r["accepted"][:-1] for r in measured["replies"]]
+    assert sum(map(len, batched["accepted"])) > 20
+    assert batched["counters"]["drafts"] == measured["counters"]["drafts"]
 
 
 @pytest.mark.vllm

@@ -254,8 +254,20 @@ def _benchmark(request: dict) -> dict:
     return result
 
 
+def _decode_batch(request: dict) -> dict:
+    """``decode_batch`` of token prompts on an engine with the draft (``draft``/``k``) or without."""
+    from vllm import LLM
+
+    options, k = EngineOptions(**request["options"]), request.get("k")
+    llm = LLM(**llm_kwargs(options, request.get("draft"), k))
+    result = decode_batch(llm, request["prompts"], int(request["max_tokens"]), request["stop_ids"], k)
+    _shutdown(llm)
+    return result
+
+
 JOBS = {"measure-replies": _measure_replies, "generate-timed": _generate_timed,
-        "speculative-and-plain": _speculative_and_plain, "benchmark": _benchmark}
+        "speculative-and-plain": _speculative_and_plain, "benchmark": _benchmark,
+        "decode-batch": _decode_batch}
 
 
 # --------------------------------------------------------------------------- jobs (parent side)
