@@ -117,8 +117,13 @@ def summarize(name: str, items: list[dict], measured: dict, k: int, baselines: l
     return result
 
 
-def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list) -> dict | None:
-    """Every configured benchmark, or None (and a skipped line) when none is."""
+def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list,
+        plain_from: dict | None = None) -> dict | None:
+    """Every configured benchmark, or None (and a skipped line) when none is.
+
+    ``plain_from``: another draft's results on the same benchmarks, whose plain decode (the
+    same target, prompts and settings: greedy replies do not depend on the draft) gives this
+    draft's speed-up instead of decoding without a draft once more."""
     from omegaconf import OmegaConf
 
     from draftline import engine
@@ -141,10 +146,21 @@ def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list) -
         measured = jobs.run_job("benchmark", {
             "draft": str(Path(draft).absolute()), "k": int(k), "items": items,
             "max_tokens": int(settings.max_new_tokens), "stop_ids": [int(s) for s in stop_ids],
-            "chat_template_kwargs": template_kwargs, "plain": bool(settings.speedup)}, options,
+            "chat_template_kwargs": template_kwargs,
+            "plain": bool(settings.speedup) and plain_from is None}, options,
             timeout=float(settings.timeout_s))
         measured["prompts"] = [turn.pop("prompts") for turn in measured["turns"]]
         results[name] = summarize(name, items, measured, k, baselines, stats)
+        reference = ((plain_from or {}).get("per_benchmark", {}).get(name) or {}).get("speedup")
+        if reference:
+            seconds = sum(t["seconds"] for t in measured["turns"])
+            rate = results[name]["output_tokens"] / seconds
+            results[name]["speedup"] = {
+                "with_draft_tokens_per_s": rate, "with_draft_seconds": seconds,
+                "plain_tokens_per_s": reference["plain_tokens_per_s"],
+                "plain_seconds": reference["plain_seconds"],
+                "ratio": rate / reference["plain_tokens_per_s"],
+                "plain_from": "the run's own draft's plain decode of the same prompts"}
         found = results[name]
         log.info("benchmark %s: tau %.3f [%.3f, %.3f] (vLLM counters %.3f), acceptance %s; "
                  "baselines %s; speed-up %s", name, found["vllm"]["tau"], *found["vllm"]["tau_ci"],
