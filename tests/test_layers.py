@@ -22,6 +22,8 @@ FLOORS = {
     # the formats on disk, the target's config, the project's own tiny inputs
     "draftline.formats": 2, "draftline.target": 2, "draftline.tiny.embedded": 2,
     "draftline.tiny": 2, "draftline.tiny.targets": 2,
+    # packaged public data: a real pretrained target, benchmark and training prompts
+    "draftline.public": 2,
     "draftline.engine": 3, "draftline.tokenize": 3,
     "draftline.regenerate": 4, "draftline.extract": 4, "draftline.prepare": 4,
     "draftline.serve": 4, "draftline.serve.jobs": 4,

@@ -33,19 +33,6 @@ import torch
 log = logging.getLogger("draftline.evaluate")
 
 
-def template_renders_tools(model_dir: str | Path, template_kwargs: dict) -> bool:
-    """Whether the target's chat template shows declared tools at all (a probe render)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    messages = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "draftline_probe_tool", "description": "probe",
-                                             "parameters": {"type": "object", "properties": {}}}}
-    with_tools = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False,
-                                               add_generation_prompt=True, **template_kwargs)
-    return "draftline_probe_tool" in with_tools
-
-
 def items_for(name: str, assets_dir: str | Path, max_prompts: int | None, tools_rendered: bool) -> list[dict]:
     """The benchmark's first ``max_prompts`` items, tools moved to the system turn where the
     template renders none."""
@@ -127,6 +114,7 @@ def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list,
     from omegaconf import OmegaConf
 
     from draftline import engine
+    from draftline.public import prompts
     from draftline.regenerate import greedy
     from draftline.serve import jobs
 
@@ -135,7 +123,7 @@ def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list,
         skipped.append({"what": "standard benchmarks in vLLM", "reason": "evaluate.benchmarks.names is empty"})
         return None
     template_kwargs = OmegaConf.to_container(cfg.tokenize.chat_template_kwargs)
-    tools_rendered = template_renders_tools(cfg.model.path, template_kwargs)
+    tools_rendered = prompts.template_renders_tools(cfg.model.path, template_kwargs)
     options = engine.engine_options(cfg, settings)
     stop_ids = greedy.stop_token_ids(cfg.model.path)
     results = {}

@@ -38,11 +38,10 @@ def ensure_prompts(data, assets_dir: str | Path, seed: int, model_dir: str | Pat
     Declared tools reach the target as evaluate's benchmarks give them: through the chat
     template where it renders tools, else as a system turn (``prompts.tools_in_system``).
     """
-    from draftline.evaluate.benchmarks import template_renders_tools
     from draftline.public import prompts
 
     path = check_under_assets(data.path, assets_dir, PROMPTS_BUILD)
-    tools_rendered = template_renders_tools(model_dir, template_kwargs)
+    tools_rendered = prompts.template_renders_tools(model_dir, template_kwargs)
     recipe = {"bfcl_per_category": data.get("bfcl_per_category"), "embedded": data.get("embedded"),
               "seed": int(seed), "train_bfcl": list(prompts.TRAIN_BFCL),
               "tools": "template" if tools_rendered else "system turn"}

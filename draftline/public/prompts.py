@@ -87,6 +87,19 @@ def _bfcl(category: str, assets_dir: str | Path) -> list[dict]:
     return items
 
 
+def template_renders_tools(model_dir: str | Path, template_kwargs: dict) -> bool:
+    """Whether the target's chat template shows declared tools at all (a probe render)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "draftline_probe_tool", "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    with_tools = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False,
+                                               add_generation_prompt=True, **template_kwargs)
+    return "draftline_probe_tool" in with_tools
+
+
 def load(name: str, assets_dir: str | Path) -> list[dict]:
     """The benchmark's items in the packaged file's order."""
     if name == "mt_bench":
