@@ -2,11 +2,11 @@
 
 Published drafts are judged this way: the serving engine decodes each benchmark prompt
 greedily with the draft (k speculative tokens) and counts tokens per verification step. For
-each benchmark in ``evaluate.benchmarks.names`` (prompts: draftline.public.prompts) one child
+the benchmarks in ``evaluate.benchmarks.names`` (prompts: draftline.public.prompts) one child
 process (draftline.serve.jobs, job ``benchmark``) renders the prompts with the target's chat
-template, decodes them all in one batch with the draft, turn by turn (MT-Bench's second turn
-follows the target's own first answer), and then, for the speed-up, decodes the same rendered
-prompts with the plain engine.
+template and decodes each benchmark's prompts in one batch with the draft, turn by turn
+(MT-Bench's second turn follows the target's own first answer), then, for the speed-up,
+decodes the same rendered prompts with the plain engine (one engine start each).
 
 What each benchmark reports:
 
@@ -126,17 +126,19 @@ def run(cfg, draft: Path, k: int, baselines: list, stats: dict, skipped: list,
     tools_rendered = prompts.template_renders_tools(cfg.model.path, template_kwargs)
     options = engine.engine_options(cfg, settings)
     stop_ids = greedy.stop_token_ids(cfg.model.path)
+    every = {name: items_for(name, cfg.assets_dir, settings.max_prompts, tools_rendered)
+             for name in settings.names}
+    log.info("benchmarks %s: %s prompts, up to %d new tokens each, k=%d (vLLM, greedy, a batch per turn)",
+             list(every), [len(items) for items in every.values()], int(settings.max_new_tokens), k)
+    decoded = jobs.run_job("benchmark", {
+        "draft": str(Path(draft).absolute()), "k": int(k), "benchmarks": every,
+        "max_tokens": int(settings.max_new_tokens), "stop_ids": [int(s) for s in stop_ids],
+        "chat_template_kwargs": template_kwargs,
+        "plain": bool(settings.speedup) and plain_from is None}, options,
+        timeout=float(settings.timeout_s))
     results = {}
-    for name in settings.names:
-        items = items_for(name, cfg.assets_dir, settings.max_prompts, tools_rendered)
-        log.info("benchmark %s: %d prompts, up to %d new tokens each, k=%d (vLLM, greedy, batched)",
-                 name, len(items), int(settings.max_new_tokens), k)
-        measured = jobs.run_job("benchmark", {
-            "draft": str(Path(draft).absolute()), "k": int(k), "items": items,
-            "max_tokens": int(settings.max_new_tokens), "stop_ids": [int(s) for s in stop_ids],
-            "chat_template_kwargs": template_kwargs,
-            "plain": bool(settings.speedup) and plain_from is None}, options,
-            timeout=float(settings.timeout_s))
+    for name, items in every.items():
+        measured = decoded[name]
         measured["prompts"] = [turn.pop("prompts") for turn in measured["turns"]]
         results[name] = summarize(name, items, measured, k, baselines, stats)
         reference = ((plain_from or {}).get("per_benchmark", {}).get(name) or {}).get("speedup")

@@ -214,44 +214,46 @@ def _render(tokenizer, messages: list[dict], tools: list[dict], template_kwargs:
 
 
 def _benchmark(request: dict) -> dict:
-    """One benchmark's prompts decoded greedily with the draft, turn by turn (a later turn is
-    asked after the target's own earlier answers), then, when ``plain`` is set, the same
-    rendered prompts by the plain engine for the speed-up. Items: ``turns``, ``tools``,
-    ``system``, ``tools_in_system`` (the tools as that system text, for a template that
-    renders none)."""
+    """Benchmarks' prompts decoded greedily with the draft, one engine for all of them, turn by
+    turn (a later turn is asked after the target's own earlier answers); then, when ``plain``
+    is set, the same rendered prompts by the plain engine for the speed-up. ``benchmarks``:
+    name -> items (``turns``, ``tools``, ``system``, ``tools_in_system``: the tools as that
+    system text, for a template that renders none)."""
     from vllm import LLM
 
     options, k = EngineOptions(**request["options"]), int(request["k"])
     kwargs = dict(request.get("chat_template_kwargs") or {})
     llm = LLM(**llm_kwargs(options, request["draft"], k))
     tokenizer = llm.get_tokenizer()
-    items = request["items"]
-    histories = []
-    for item in items:
-        system = "\n\n".join(filter(None, [item.get("system"), item.get("tools_in_system")]))
-        histories.append([{"role": "system", "content": system}] if system else [])
-    turns, rendered = [], []
-    for turn in range(max(len(item["turns"]) for item in items)):
-        asked = [i for i, item in enumerate(items) if turn < len(item["turns"])]
-        prompts = []
-        for i in asked:
-            histories[i].append({"role": "user", "content": items[i]["turns"][turn]})
-            tools = [] if items[i].get("tools_in_system") else items[i].get("tools", [])
-            prompts.append(_render(tokenizer, histories[i], tools, kwargs))
-        decoded = decode_batch(llm, prompts, int(request["max_tokens"]), request["stop_ids"], k)
-        for j, i in enumerate(asked):
-            histories[i].append({"role": "assistant", "content": tokenizer.decode(
-                decoded["tokens"][j], skip_special_tokens=True)})
-        turns.append({"items": asked, "prompts": prompts, **decoded})
-        rendered.append(prompts)
+    out, rendered = {}, {}
+    for name, items in request["benchmarks"].items():
+        histories = []
+        for item in items:
+            system = "\n\n".join(filter(None, [item.get("system"), item.get("tools_in_system")]))
+            histories.append([{"role": "system", "content": system}] if system else [])
+        turns, rendered[name] = [], []
+        for turn in range(max(len(item["turns"]) for item in items)):
+            asked = [i for i, item in enumerate(items) if turn < len(item["turns"])]
+            prompts = []
+            for i in asked:
+                histories[i].append({"role": "user", "content": items[i]["turns"][turn]})
+                tools = [] if items[i].get("tools_in_system") else items[i].get("tools", [])
+                prompts.append(_render(tokenizer, histories[i], tools, kwargs))
+            decoded = decode_batch(llm, prompts, int(request["max_tokens"]), request["stop_ids"], k)
+            for j, i in enumerate(asked):
+                histories[i].append({"role": "assistant", "content": tokenizer.decode(
+                    decoded["tokens"][j], skip_special_tokens=True)})
+            turns.append({"items": asked, "prompts": prompts, **decoded})
+            rendered[name].append(prompts)
+        out[name] = {"turns": turns}
     _shutdown(llm)
-    result = {"turns": turns}
     if request.get("plain"):
         llm = LLM(**llm_kwargs(options, None, None))
-        result["plain"] = [decode_batch(llm, prompts, int(request["max_tokens"]), request["stop_ids"], None)
-                           for prompts in rendered]
+        for name, turns in rendered.items():
+            out[name]["plain"] = [decode_batch(llm, prompts, int(request["max_tokens"]),
+                                               request["stop_ids"], None) for prompts in turns]
         _shutdown(llm)
-    return result
+    return out
 
 
 def _decode_batch(request: dict) -> dict:
