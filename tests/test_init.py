@@ -209,3 +209,18 @@ def test_a_family_vllm_does_not_serve_with_eagle3_is_refused_with_the_tables_pat
         "draftline: model_type 'mixtral' (MixtralForCausalLM): not a family vLLM 0.16 serves with an "
         "EAGLE-3 draft (see docs/families.md)",
         "hint: the families draftline serves with EAGLE-3, and why others are left out: docs/families.md"]
+
+
+def test_sizes_follow_the_host_cpu_sizes_where_torch_sees_no_gpu(tiny, data, conf):
+    """Without a GPU the experiment trains with the CPU's levers (bf16, a small token budget and
+    draft vocabulary, EXP=smollm2's measured sizes) instead of kimi-k2.5's 20,000 GPU steps;
+    both ask for the standard benchmarks."""
+    init.init(str(tiny), str(data), "on-cpu", conf_dir=conf, on_gpu=False)
+    init.init(str(tiny), str(data), "on-gpu", conf_dir=conf, on_gpu=True)
+    cpu = config.compose(["experiment=on-cpu"], conf_dir=conf)
+    gpu = config.compose(["experiment=on-gpu"], conf_dir=conf)
+    assert (cpu.train.precision, cpu.train.max_tokens_per_step, cpu.train.steps) == ("bf16", 2048, 300)
+    assert cpu.tokenize.draft_vocab_size <= 8192 and cpu.extract.save_dtype == "bfloat16"
+    assert (gpu.train.precision, gpu.train.max_tokens_per_step, gpu.train.steps) == ("auto", 8192, 20000)
+    for cfg in (cpu, gpu):
+        assert list(cfg.evaluate.benchmarks.names) == ["mt_bench", "humaneval", "bfcl_simple"]

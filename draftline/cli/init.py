@@ -33,6 +33,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Sizes of the one real run the project has configured (conf/experiment/kimi-k2.5.yaml), capped
 # below by the target's context and vocabulary.
 SEQ_LENGTH, MAX_MODEL_LEN, DRAFT_VOCAB = 4096, 8192, 32000
+# On a host without a GPU: EXP=smollm2's sizes (conf/experiment/smollm2.yaml).
+CPU_SEQ_LENGTH, CPU_DRAFT_VOCAB = 1536, 8192
 
 
 def text_only_limits(architecture: str) -> tuple[dict[str, int], str] | None:
@@ -312,11 +314,14 @@ def model_yaml(facts: Target) -> str:
     return "\n".join(lines) + "\n"
 
 
-def experiment_yaml(facts: Target) -> str:
+def experiment_yaml(facts: Target, on_gpu: bool = True) -> str:
+    """The experiment's sizes: kimi-k2.5's on a GPU host; on a host where torch sees no GPU,
+    those of EXP=smollm2, measured on 2 CPU cores (docs/results.md): bf16 autocast, a smaller
+    draft vocabulary and token budget per step (the levers of a CPU's training step), bf16
+    shards and a step count that trains in about half an hour at SmolLM2's width."""
     seq_length = min(SEQ_LENGTH, facts.max_positions // 2)
     max_model_len = min(MAX_MODEL_LEN, facts.max_positions)
-    draft_vocab = min(DRAFT_VOCAB, facts.vocab_size)
-    return "\n".join([
+    header = [
         "# @package _global_",
         f"# The run on {facts.name}, written by `make init` (draftline/cli/init.py). model.path and",
         f"# data.path are this machine's: the untracked conf/local.{facts.name}.yaml (or OVERRIDES) sets them.",
@@ -324,6 +329,38 @@ def experiment_yaml(facts: Target) -> str:
         f"  - override /model: {facts.name}",
         "  - override /data: file",
         f"exp: {facts.name}",
+    ]
+    benchmarks = [
+        "evaluate:",
+        "  benchmarks:",
+        _line("    names: [mt_bench, humaneval, bfcl_simple]", "tau per standard benchmark in vLLM (docs/pipeline.md)"),
+    ]
+    if not on_gpu:
+        draft_vocab = min(CPU_DRAFT_VOCAB, facts.vocab_size)
+        return "\n".join([
+            *header,
+            "# Sizes for this host, where torch sees no GPU: EXP=smollm2's, measured on 2 CPU cores",
+            f"# (docs/results.md), capped by this target's context ({facts.max_positions} positions)"
+            f" and vocabulary ({facts.vocab_size} tokens). On a GPU host `make init` writes larger ones.",
+            "tokenize:",
+            _line(f"  seq_length: {min(CPU_SEQ_LENGTH, seq_length)}", "tokens per sample"),
+            _line(f"  draft_vocab_size: {draft_vocab}", "draft vocabulary (tokens): the draft head is a CPU step's largest matmul"),
+            "extract:",
+            _line(f"  max_model_len: {min(2048, max_model_len)}", "vLLM context length (tokens)"),
+            _line("  shard_tokens: 65536", "tokens per safetensors shard"),
+            _line("  save_dtype: bfloat16", "hidden states on disk"),
+            "train:",
+            _line("  precision: bf16", "bf16 autocast on the CPU too (docs/results.md: the CPU's lever)"),
+            _line("  max_tokens_per_step: 2048", "packed tokens per step (a CPU's dense attention mask grows with its square)"),
+            _line("  steps: 300", "optimizer steps"),
+            _line("  lr: 1.0e-3", "AdamW peak learning rate"),
+            _line("  checkpoint_every: 100", "steps between resumable checkpoints"),
+            *benchmarks,
+            _line("    max_prompts: 80", "first N prompts of each benchmark (count)"),
+        ]) + "\n"
+    draft_vocab = min(DRAFT_VOCAB, facts.vocab_size)
+    return "\n".join([
+        *header,
         "# Sizes of the kimi-k2.5 experiment (a real target on GPUs), capped by this target's context",
         f"# ({facts.max_positions} positions) and vocabulary ({facts.vocab_size} tokens). Edit freely.",
         "tokenize:",
@@ -340,6 +377,7 @@ def experiment_yaml(facts: Target) -> str:
         _line("  max_tokens_per_step: 8192", "packed tokens per optimizer step"),
         _line("  steps: 20000", "optimizer steps"),
         _line("  checkpoint_every: 500", "steps between resumable checkpoints"),
+        *benchmarks,
     ]) + "\n"
 
 
@@ -379,8 +417,10 @@ def local_paths(local: Path, wanted: dict[str, str]) -> tuple[str, dict[str, str
             "with OVERRIDES on every command below, or edit it"), todo
 
 
-def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_DIR) -> list[str]:
-    """Check MODEL and DATA, write the two yaml files and conf/local.<name>.yaml; the lines to print."""
+def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_DIR,
+         on_gpu: bool | None = None) -> list[str]:
+    """Check MODEL and DATA, write the two yaml files and conf/local.<name>.yaml; the lines to
+    print. ``on_gpu``: which sizes (None: whether torch sees a GPU here)."""
     name = name or experiment_name(model)
     if not NAME.fullmatch(name):
         raise UserConfigError(f"EXP={name}: not a config name", "letters, digits, '.', '-' and '_': e.g. EXP=qwen3-8b")
@@ -391,7 +431,11 @@ def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_D
                                   "pick another name with EXP=<name>, or edit that file")
     facts, tokenizer = read_model(Path(model), name)
     check_data(data, tokenizer)
-    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts))):
+    if on_gpu is None:
+        from draftline.engine import cuda_available
+
+        on_gpu = cuda_available()
+    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts, on_gpu))):
         path.write_text(text)
     repo = conf_dir.parent
     said, overrides = local_paths(local_of(name, conf_dir), {"model.path": machine_path(model, repo),
