@@ -32,7 +32,7 @@ def reported():
     anchor = subprocess.run([sys.executable, "-m", "benchmarks.anchor", "--exp", "smollm2-ci",
                              "--steps", "2"], cwd=REPO, capture_output=True, text=True)
     assert anchor.returncode == 0, (anchor.stdout + anchor.stderr)[-4000:]
-    make("report", overrides=f"evaluate.compare={{speculators_trainer:{RUN}/anchor/draft}}")
+    make("report", overrides=f"+evaluate.compare.speculators_trainer={RUN}/anchor/draft")
     return json.loads((RUN / "evaluate/results.json").read_text())
 
 

@@ -127,6 +127,8 @@ def run(cfg: DictConfig) -> dict:
     prepared = artifacts.read_manifest(prepare_dir)
     draft = draft_dir(cfg, train)
     aux_ids = check_features(draft, extract)
+    for label, other in (cfg.evaluate.compare or {}).items():  # before the hours of measuring
+        check_features(Path(str(other)), extract)
     k = int(cfg.evaluate.steps or num_speculative_tokens(draft))
     torch.manual_seed(int(cfg.seed))
 

@@ -59,7 +59,7 @@ def local_of(exp: str, conf_dir: Path = CONF_DIR) -> Path:
 
 
 # Maps whose keys are the user's to choose, so `+data.roles.narrator=assistant` may add one.
-OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt")
+OPEN_MAPS = ("data.roles", "model.limit_mm_per_prompt", "evaluate.compare")
 
 
 def is_hub_name(label: str) -> bool:
