@@ -233,3 +233,26 @@ def test_the_extraction_card_explains_its_two_rates():
     untimed = [{"tokens": 200}, {"tokens": 100}]
     assert report_page.extraction_text({"tokens_per_second": 150.0, "shards": untimed}) == (
         "150 tok/s<small>whole run, target load included</small>")
+
+
+def test_the_benchmark_table_lists_each_draft_then_the_baselines():
+    """Per benchmark: the run's draft, each compared draft (with its speed-up), the baselines."""
+    from draftline.report import page
+
+    def measured(tau):
+        return {"tau": tau, "tau_ci": [tau - 0.1, tau + 0.1], "acceptance": [0.5, 0.25, 0.125]}
+
+    found = {"prompts": 2, "turns": 4, "vllm": measured(1.8),
+             "speedup": {"ratio": 1.25, "with_draft_tokens_per_s": 50.0, "plain_tokens_per_s": 40.0},
+             "baselines": {"bigram": measured(1.2)}}
+    other = {"prompts": 2, "turns": 4, "vllm": measured(1.4), "baselines": {}}
+    evaluation = {"benchmarks": {"k": 3, "max_new_tokens": 32, "tools_rendered_by_template": False,
+                                 "per_benchmark": {"mt_bench": found}},
+                  "compared": {"speculators_trainer": {"benchmarks": {"per_benchmark": {"mt_bench": other}}}}}
+    rows = page.benchmark_rows(evaluation)
+    assert [r[1] for r in rows] == ["this run's draft", "speculators_trainer",
+                                    page.method("bigram") + " (offline, same replies)"]
+    assert rows[0][2] == 1.8 and rows[0][5].startswith("1.25x (50 / 40 tok/s)") and rows[1][5] == "not measured"
+    html = page.benchmark_html(evaluation)
+    assert "Standard benchmarks (vLLM)" in html and "in a system turn" in html
+    assert page.benchmark_html({"benchmarks": None}) == ""
