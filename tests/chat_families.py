@@ -15,6 +15,14 @@ Written here from the families' documented output formats (no template text is c
 * ``llama31``: ``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``; tools as JSON in the
   first user turn; one call per reply, rendered as ``{"name", "parameters"}`` JSON *instead of*
   the reply text; results under the ``ipython`` role.
+* ``deepseek_r1``: ``<｜User｜>`` / ``<｜Assistant｜>`` turns ending in ``<｜end▁of▁sentence｜>``;
+  declared tools as ``### NAME`` sections after the system prompt; calls as
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` plus a JSON code block; results grouped in
+  ``<｜tool▁outputs▁begin｜>``; the generation prompt opens the think block
+  (``<｜Assistant｜><think>\\n``) and history shows replies without reasoning.  DeepSeek's own
+  template drops the reasoning of the last reply too; this one shows the last reply as the model
+  wrote it after that prompt (``R\\n</think>\\n\\nC``), so that the reply as generated is the
+  template's own text.  ``DEEPSEEK_R1_OWN`` is the variant that drops it everywhere.
 
 The section markers are special tokens, as in the real vocabularies.
 """
@@ -115,8 +123,39 @@ LLAMA31_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
+DEEPSEEK_R1_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                        "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                        "<think>", "</think>"]
+DEEPSEEK_R1_TEMPLATE = (
+    "<｜begin▁of▁sentence｜>{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "{% if tools %}{% if messages[0].role == 'system' %}\n\n{% endif %}"
+    "## Tools\nYou have access to the following tools:\n"
+    "{% for t in tools %}\n### {{ t.function.name }}\nDescription: {{ t.function.description }}\n\n"
+    "Parameters: {{ t.function.parameters | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<｜Assistant｜>"
+    "{% if loop.last %}<think>\n{{ (m.get('reasoning_content') or '').strip('\n') }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
+    "{% if m.get('tool_calls') %}<｜tool▁calls▁begin｜>{% for c in m.tool_calls %}<｜tool▁call▁begin｜>"
+    "function<｜tool▁sep｜>{{ c.function.name }}\n```json\n{{ c.function.arguments | tojson }}\n```"
+    "<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<｜tool▁outputs▁begin｜>{% endif %}"
+    "<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<｜tool▁outputs▁end｜>{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
+# DeepSeek's own rule: no reply shows its reasoning, the last one neither.
+DEEPSEEK_R1_OWN = DEEPSEEK_R1_TEMPLATE.replace("{% if loop.last %}<think>", "{% if false %}<think>")
+
 FAMILIES = {"kimi": (KIMI_SPECIALS, KIMI_TEMPLATE), "qwen3": (QWEN3_SPECIALS, QWEN3_TEMPLATE),
-            "llama31": (LLAMA31_SPECIALS, LLAMA31_TEMPLATE)}
+            "llama31": (LLAMA31_SPECIALS, LLAMA31_TEMPLATE),
+            "deepseek_r1": (DEEPSEEK_R1_SPECIALS, DEEPSEEK_R1_TEMPLATE),
+            "deepseek_r1_own": (DEEPSEEK_R1_SPECIALS, DEEPSEEK_R1_OWN)}
 
 
 def family_tokenizer(base, family: str):

@@ -205,3 +205,28 @@ def test_100k_generated_conversations_same_output_with_two_workers(model_dir, tm
     assert digest(one) == digest(two) and one.tally.manifest() == two.tally.manifest()
     assert one.tally.leading_dropped_conversations == quirks["assistant_first"]
     assert one.tally.skips["no_turns"] == quirks["no_turns"]
+
+
+def test_as_generated_gives_the_same_samples_for_a_template_without_reasoning(model_dir):
+    # The tiny targets' template shows no reasoning and renders history as it was generated:
+    # every reply is already in the whole render after its own prompt (windows included).
+    template, as_generated = run(model_dir, QUIRKS), run(model_dir, QUIRKS, reasoning="as_generated")
+    assert digest(as_generated) == digest(template)
+    manifest = as_generated.tally.manifest()
+    assert manifest["reasoning_trained"] == {"setting": "as_generated", "replies": 0, "tokens": 0}
+    extra = manifest["as_generated"]
+    assert (extra["extra_samples"], extra["extra_prefix_tokens"], extra["overhead_fraction"]) == (0, 0, 0.0)
+    assert extra["samples"] == len(template.offsets) - 1 and extra["replies_as_template"]["count"] == 0
+
+
+@pytest.mark.slow
+def test_as_generated_keeps_the_embedded_runs_samples(tmp_path):
+    """EXP=tiny and EXP=tiny-trained tokenize the embedded set with tiny-llama's tokenizer."""
+    from draftline.tiny.embedded import write_conversations
+
+    targets.build_tokenizer(tmp_path / "tok")  # tiny-llama's: the default corpus
+    data = tmp_path / "conversations.jsonl"
+    write_conversations(data)
+    template = run(tmp_path / "tok", data, budget=0, seq_length=512)
+    assert digest(run(tmp_path / "tok", data, budget=0, seq_length=512, reasoning="as_generated")) == \
+        digest(template)

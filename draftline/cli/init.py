@@ -314,11 +314,26 @@ def model_yaml(facts: Target) -> str:
     return "\n".join(lines) + "\n"
 
 
-def experiment_yaml(facts: Target, on_gpu: bool = True) -> str:
+def reasoning_lines(thinking: bool) -> list[str]:
+    """``tokenize.reasoning`` for a thinking target (its chat template takes reasoning_content
+    or writes a think block), with why; nothing for another (the default trains the same)."""
+    if not thinking:
+        return []
+    return [
+        "  # A thinking target: most of what it generates is reasoning, and its template drops the",
+        "  # reasoning of finished turns from the history, so a render of the whole record trains little",
+        "  # or none of it. as_generated trains each reply as the target writes it, after the prompt",
+        "  # the server renders (docs/pipeline.md, \"Tool calls and reasoning\").",
+        _line("  reasoning: as_generated", "as_generated | template | preserve"),
+    ]
+
+
+def experiment_yaml(facts: Target, on_gpu: bool = True, thinking: bool = False) -> str:
     """The experiment's sizes: kimi-k2.5's on a GPU host; on a host where torch sees no GPU,
     those of EXP=smollm2, measured on 2 CPU cores (docs/results.md): bf16 autocast, a smaller
     draft vocabulary and token budget per step (the levers of a CPU's training step), bf16
-    shards and a step count that trains in about half an hour at SmolLM2's width."""
+    shards and a step count that trains in about half an hour at SmolLM2's width.  ``thinking``:
+    the target's template is a thinking model's (:func:`reasoning_lines`)."""
     seq_length = min(SEQ_LENGTH, facts.max_positions // 2)
     max_model_len = min(MAX_MODEL_LEN, facts.max_positions)
     header = [
@@ -345,6 +360,7 @@ def experiment_yaml(facts: Target, on_gpu: bool = True) -> str:
             "tokenize:",
             _line(f"  seq_length: {min(CPU_SEQ_LENGTH, seq_length)}", "tokens per sample"),
             _line(f"  draft_vocab_size: {draft_vocab}", "draft vocabulary (tokens): the draft head is a CPU step's largest matmul"),
+            *reasoning_lines(thinking),
             "extract:",
             _line(f"  max_model_len: {min(2048, max_model_len)}", "vLLM context length (tokens)"),
             _line("  shard_tokens: 65536", "tokens per safetensors shard"),
@@ -366,6 +382,7 @@ def experiment_yaml(facts: Target, on_gpu: bool = True) -> str:
         "tokenize:",
         _line(f"  seq_length: {seq_length}", "tokens per sample"),
         _line(f"  draft_vocab_size: {draft_vocab}", "draft vocabulary (tokens)"),
+        *reasoning_lines(thinking),
         "extract:",
         _line("  token_budget: 65536", "prompt tokens per generate() call (tokens)"),
         _line("  shard_tokens: 65536", "tokens per safetensors shard"),
@@ -431,11 +448,14 @@ def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_D
                                   "pick another name with EXP=<name>, or edit that file")
     facts, tokenizer = read_model(Path(model), name)
     check_data(data, tokenizer)
+    from draftline.tokenize.generated import thinking_template
+
+    thinking = thinking_template(tokenizer)
     if on_gpu is None:
         from draftline.engine import cuda_available
 
         on_gpu = cuda_available()
-    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts, on_gpu))):
+    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts, on_gpu, thinking))):
         path.write_text(text)
     repo = conf_dir.parent
     said, overrides = local_paths(local_of(name, conf_dir), {"model.path": machine_path(model, repo),
@@ -444,7 +464,8 @@ def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_D
     lines = [f"wrote {files[0]}: {facts.shape.architecture}, {facts.shape.num_layers} layers, hidden "
              f"{facts.shape.hidden_size}, aux_layer_ids {facts.aux_layer_ids}, dtype {facts.dtype}, "
              f"tensor_parallel_size {facts.tensor_parallel_size}, trust_remote_code {str(bool(facts.remote_code)).lower()}",
-             f"wrote {files[1]}", said, "next:", f"  make status EXP={name}{tail}"]
+             f"wrote {files[1]}" + (": a thinking target, tokenize.reasoning=as_generated" if thinking else ""),
+             said, "next:", f"  make status EXP={name}{tail}"]
     if facts.weight_bytes > _min_target_gb(conf_dir) * 1e9:
         lines.append(f"  make rehearse EXP={name}{tail}   # {_gb(facts.weight_bytes)}: the run's engine code on a miniature first")
     lines += [f"  make {stage} EXP={name}{tail}" for stage in ("tokenize", "extract")]

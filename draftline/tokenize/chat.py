@@ -264,7 +264,15 @@ class Windows:
     at once; ``num_kept_tokens`` those of all windows together.  ``dropped_exchanges`` names
     each exchange that gave no sample because its prompt alone fills ``max_length``.
     ``num_reasoning`` counts replies with reasoning, ``num_reasoning_dropped`` those whose
-    reasoning the template leaves out of the whole render (earlier turns, for Qwen3 and Kimi).
+    reasoning no sample trains (the template leaves it out: earlier turns of Qwen3 and Kimi in
+    a whole render), ``num_reasoning_tokens`` the tokens of the reasoning trained, counted on
+    the conversation as one window like ``num_assistant_tokens``.
+
+    With ``reasoning="as_generated"`` (draftline.tokenize.generated): ``num_extra_samples``
+    samples of one reply each, after ``num_extra_prefix_tokens`` prompt tokens in all;
+    ``num_reused`` replies the whole render already shows as generated; ``as_template`` the
+    message indices of replies that could not be established as generated and are trained as
+    the whole render shows them; ``num_left_out`` whole-render windows that train no reply.
     """
 
     samples: list[EncodedConversation]
@@ -273,6 +281,12 @@ class Windows:
     dropped_exchanges: list[DroppedExchange] = field(default_factory=list)
     num_reasoning: int = 0
     num_reasoning_dropped: int = 0
+    num_reasoning_tokens: int = 0
+    num_extra_samples: int = 0
+    num_extra_prefix_tokens: int = 0
+    num_reused: int = 0
+    as_template: list[int] = field(default_factory=list)
+    num_left_out: int = 0
 
 
 def _exchanges(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -298,9 +312,72 @@ def _exchanges(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
     return head, exchanges
 
 
+@dataclass(frozen=True)
+class Window:
+    """Messages of one window: the leading system turns, then ``messages[start:end]``
+    (whole exchanges); ``encoded`` is their whole render, ``fits`` whether it fits."""
+
+    messages: list[dict]
+    start: int
+    end: int
+    encoded: EncodedConversation
+    fits: bool
+
+    def index(self, k: int) -> int:
+        """Message ``k`` of this window as an index of the whole conversation."""
+        head = len(self.messages) - (self.end - self.start)
+        return k if k < head else self.start + k - head
+
+
+def plan_windows(tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel,
+                 tools: Sequence[dict] | None, template: Template) -> list[Window]:
+    """The windows of a conversation longer than ``max_length`` (see :func:`encode_windows`):
+    the longest runs of whole exchanges that fit, and each exchange too long alone (``fits``
+    False: its caller cuts it or drops it)."""
+    head, exchanges = _exchanges(messages)
+    system = list(messages[:head])
+
+    def window(i: int, j: int) -> list[dict]:  # exchanges i..j-1 with the system prompt
+        return system + list(messages[exchanges[i][0] : exchanges[j - 1][1]])
+
+    windows: list[Window] = []
+    i = 0
+    while i < len(exchanges):
+        # Binary search for the largest j whose window fits: lengths grow with j.
+        lo, hi, best = i + 1, len(exchanges), None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            encoded = _encode_whole(tokenizer, window(i, mid), sample, tools, template)
+            if len(encoded.input_ids) <= max_length:
+                best, lo = (mid, encoded), mid + 1
+            else:
+                hi = mid - 1
+        if best is None:  # one exchange alone is too long
+            alone = _encode_whole(tokenizer, window(i, i + 1), sample, tools, template)
+            windows.append(Window(window(i, i + 1), exchanges[i][0], exchanges[i][1], alone, False))
+            i += 1
+            continue
+        j, encoded = best
+        windows.append(Window(window(i, j), exchanges[i][0], exchanges[j - 1][1], encoded, True))
+        i = j
+    return windows
+
+
+def _reasoning_trained(tokenizer: Any, messages: Sequence[dict], trained: Sequence[tuple[int, bool]]
+                       ) -> dict[str, int]:
+    """Counts of ``(message index, reasoning in a sample's mask)`` per reply, as Windows keeps
+    them.  The reasoning's tokens are those of its text encoded on its own: a token or so off
+    where a merge crosses its ends, the same way in every setting, so settings compare."""
+    reasoning = {k: (messages[k].get("reasoning_content") or "").strip() for k, _ in trained}
+    return {"num_reasoning": sum(bool(r) for r in reasoning.values()),
+            "num_reasoning_dropped": sum(bool(reasoning[k]) and not shown for k, shown in trained),
+            "num_reasoning_tokens": sum(len(_encode(tokenizer, reasoning[k])) for k, shown in trained
+                                        if shown and reasoning[k])}
+
+
 def encode_windows(
     tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None, *,
-    tools: Sequence[dict] | None = None, template: Template = None,
+    tools: Sequence[dict] | None = None, template: Template = None, reasoning: str = "template",
 ) -> Windows:
     """Encode a conversation as one sample, or, when it is longer than ``max_length``, as
     several samples split at exchange boundaries (a user turn and the reply to it).
@@ -313,48 +390,40 @@ def encode_windows(
     if some of its reply survives (``num_truncated`` says so); otherwise it is dropped and
     listed in ``dropped_exchanges``.  :class:`EmptyLossMaskError` if nothing at all survives.
     ``tools`` and ``template`` as for :func:`encode_conversation`; every window declares the tools.
+
+    ``reasoning`` is ``tokenize.reasoning``: ``"template"`` trains what the template renders for
+    each window, ``"preserve"`` the same with the template's switch to keep every reply's
+    reasoning, ``"as_generated"`` each reply as the target generates it
+    (:mod:`draftline.tokenize.generated`).
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if reasoning != "template":  # imported here: it builds on this module
+        from draftline.tokenize import generated
+
+        if generated.check_setting(reasoning) == "as_generated":
+            return generated.encode_windows(tokenizer, messages, max_length, sample, tools, template)
+        template = {**(template or {}), **generated.PRESERVE}
     rendered = render_conversation(tokenizer, messages, sample, tools, template)
     whole = _encode_rendered(tokenizer, rendered, sample)
     total = sum(whole.loss_mask)
-    reasoning = {"num_reasoning": rendered.num_reasoning,
-                 "num_reasoning_dropped": rendered.num_reasoning_dropped}
+    replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    counts = _reasoning_trained(tokenizer, messages, [
+        (k, (messages[k].get("reasoning_content") or "").strip() in rendered.text[a:b])
+        for k, (a, b) in zip(replies, rendered.spans, strict=True)])
     if len(whole.input_ids) <= max_length:
-        return Windows([whole], total, total, **reasoning)
-    head, exchanges = _exchanges(messages)
-    system = list(messages[:head])
-
-    def window(i: int, j: int) -> list[dict]:  # exchanges i..j-1 with the system prompt
-        return system + list(messages[exchanges[i][0] : exchanges[j - 1][1]])
-
+        return Windows([whole], total, total, **counts)
     samples: list[EncodedConversation] = []
     dropped: list[DroppedExchange] = []
-    i = 0
-    while i < len(exchanges):
-        # Binary search for the largest j whose window fits: lengths grow with j.
-        lo, hi, best = i + 1, len(exchanges), None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            encoded = _encode_whole(tokenizer, window(i, mid), sample, tools, template)
-            if len(encoded.input_ids) <= max_length:
-                best, lo = (mid, encoded), mid + 1
-            else:
-                hi = mid - 1
-        if best is None:  # one exchange alone is too long: keep its head if a reply survives
-            alone = _encode_whole(tokenizer, window(i, i + 1), sample, tools, template)
-            if any(alone.loss_mask[:max_length]):
-                samples.append(_truncated(alone, max_length, sample))
-            else:  # the caller counts it; the conversation may still yield other samples
-                dropped.append(DroppedExchange(*exchanges[i], len(alone.input_ids)))
-            i += 1
-            continue
-        j, encoded = best
-        samples.append(encoded)
-        i = j
+    for window in plan_windows(tokenizer, messages, max_length, sample, tools, template):
+        if window.fits:
+            samples.append(window.encoded)
+        elif any(window.encoded.loss_mask[:max_length]):  # keep the head of a reply that survives
+            samples.append(_truncated(window.encoded, max_length, sample))
+        else:  # the caller counts it; the conversation may still yield other samples
+            dropped.append(DroppedExchange(window.start, window.end, len(window.encoded.input_ids)))
     if not samples:
         raise EmptyLossMaskError(
             f"{_label(sample)}: no assistant tokens within max_length={max_length}: every exchange's "
             f"prompt alone is longer ({len(whole.input_ids)} tokens in all)")
-    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples), dropped, **reasoning)
+    return Windows(samples, total, sum(sum(s.loss_mask) for s in samples), dropped, **counts)

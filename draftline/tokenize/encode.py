@@ -11,9 +11,11 @@ read (a float in [0, 1]); every reason is counted, with the first few locations,
 over budget fails with the table.  An exchange lost from a conversation that still gives
 samples (its prompt alone fills ``seq_length``) is not a record skip and does not count
 against the budget; the manifest's ``dropped_exchanges`` counts those, with locations.
-Normalisations (inline reasoning moved to ``reasoning_content``) and reasoning the template
-drops from earlier turns are counted too (``normalized``, ``reasoning``): nothing changes
-without a number in the manifest.
+Normalisations (inline reasoning moved to ``reasoning_content``) and reasoning no sample
+trains are counted too (``normalized``, ``reasoning``): nothing changes without a number in the
+manifest.  ``reasoning_trained`` says which ``tokenize.reasoning`` setting made the samples and
+how many reasoning tokens they train; ``as_generated`` what that setting cost (its extra
+samples and their prompt tokens) and which replies it could not establish.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from draftline import target
 from draftline.pipeline.progress import Progress
 from draftline.errors import UserError
 from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
+from draftline.tokenize.generated import check_setting
 from draftline.tokenize.spans import Template
 from draftline.errors import DataError
 from draftline.tokenize.conversations import RecordSkip, normalize
@@ -117,8 +120,18 @@ class Tally:
     kept_tokens: int = 0
     normalized: Counter = field(default_factory=Counter)  # records' fixes by kind (replies)
     reasoning_replies: int = 0  # replies of kept conversations with reasoning
-    reasoning_dropped: int = 0  # ... whose reasoning the template leaves out (earlier turns)
+    reasoning_dropped: int = 0  # ... whose reasoning no sample trains (the template leaves it out)
+    reasoning_tokens: int = 0  # tokens of the reasoning the samples train
     tool_result_samples: int = 0  # samples with tool results after a reply
+    reasoning_setting: str = "template"  # tokenize.reasoning
+    num_samples: int = 0
+    num_tokens: int = 0
+    extra_samples: int = 0  # as_generated: samples of one reply after its own prompt
+    extra_prefix_tokens: int = 0  # ... their prompt tokens
+    replies_reused: int = 0  # ... replies the whole render already shows as generated
+    whole_left_out: int = 0  # ... whole-render windows that train no reply
+    as_template: int = 0  # ... replies not established as generated, trained as the template shows them
+    as_template_examples: list[str] = field(default_factory=list)
 
     def skip(self, where: str, reason: str, detail: str, role: str | None = None) -> None:
         self.skips[reason] += 1
@@ -169,8 +182,34 @@ class Tally:
             "normalized": dict(sorted(self.normalized.items())),
             "reasoning": {"replies": self.reasoning_replies,
                           "dropped_by_template": self.reasoning_dropped},
+            "reasoning_trained": {"setting": self.reasoning_setting,
+                                  "replies": self.reasoning_replies - self.reasoning_dropped,
+                                  "tokens": self.reasoning_tokens},
+            "as_generated": self._as_generated(),
             "num_samples_with_tool_results": self.tool_result_samples,
         }
+
+    def _as_generated(self) -> dict | None:
+        """What tokenize.reasoning=as_generated cost and could not do; None for the others."""
+        if self.reasoning_setting != "as_generated":
+            return None
+        overhead = self.extra_prefix_tokens / self.num_tokens if self.num_tokens else 0.0
+        return {"samples": self.num_samples, "tokens": self.num_tokens,
+                "extra_samples": self.extra_samples, "extra_prefix_tokens": self.extra_prefix_tokens,
+                "overhead_fraction": round(overhead, 6), "replies_reused": self.replies_reused,
+                "whole_samples_left_out": self.whole_left_out,
+                "replies_as_template": {"count": self.as_template, "examples": self.as_template_examples}}
+
+    def add_as_generated(self, where: str, stats: dict) -> None:
+        """One conversation's as_generated counts (the ``stats`` of :func:`_encode_batch`)."""
+        self.extra_samples += stats["extra_samples"]
+        self.extra_prefix_tokens += stats["extra_prefix_tokens"]
+        self.replies_reused += stats["reused"]
+        self.whole_left_out += stats["left_out"]
+        self.as_template += len(stats["as_template"])
+        for k in stats["as_template"][: EXAMPLES_PER_REASON - len(self.as_template_examples)]:
+            self.as_template_examples.append(
+                f"{where}: turn {k}: no render shows it right after its generation prompt")
 
 
 # --------------------------------------------------------------------------- workers
@@ -178,10 +217,12 @@ class Tally:
 _WORKER: dict[str, Any] = {}  # the tokenizer and seq_length of this process
 
 
-def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int, template: Template) -> None:
+def _init_worker(model_dir: str, trust_remote_code: bool, seq_length: int, template: Template,
+                 reasoning: str) -> None:
     _WORKER["tokenizer"] = load_tokenizer(model_dir, trust_remote_code)
     _WORKER["seq_length"] = seq_length
     _WORKER["template"] = template
+    _WORKER["reasoning"] = reasoning
 
 
 def _dropped_detail(exchange: DroppedExchange, leading: int, seq_length: int) -> str:
@@ -204,15 +245,15 @@ def _encode_batch(batch: list[tuple[int, str, list[dict], int, list | None]]) ->
 
     Input: ``(rank, where, messages, leading assistant turns dropped, declared tools)``.  Skips:
     ``("skip", reason, detail)``.  Samples: ``("ok", [sample arrays], total, kept, dropped,
-    (replies with reasoning, dropped by the template))`` with one detail string per dropped
-    exchange.
+    stats)`` with one detail string per dropped exchange, and ``stats`` the reasoning and
+    as_generated counts (turn numbers in the record's own numbering).
     """
     tokenizer, seq_length = _WORKER["tokenizer"], _WORKER["seq_length"]
     out = []
     for rank, where, messages, leading, tools in batch:
         try:  # the tally adds where
             windows = encode_windows(tokenizer, messages, seq_length, tools=tools,
-                                     template=_WORKER["template"])
+                                     template=_WORKER["template"], reasoning=_WORKER["reasoning"])
         except EmptyLossMaskError as exc:
             out.append((rank, where, ("skip", "no_assistant_tokens", str(exc))))
             continue
@@ -221,9 +262,13 @@ def _encode_batch(batch: list[tuple[int, str, list[dict], int, list | None]]) ->
             continue
         samples = [_sample_arrays(s) for s in windows.samples]
         dropped = [_dropped_detail(e, leading, seq_length) for e in windows.dropped_exchanges]
-        reasoning = (windows.num_reasoning, windows.num_reasoning_dropped)
+        stats = {"reasoning": windows.num_reasoning, "reasoning_dropped": windows.num_reasoning_dropped,
+                 "reasoning_tokens": windows.num_reasoning_tokens,
+                 "extra_samples": windows.num_extra_samples,
+                 "extra_prefix_tokens": windows.num_extra_prefix_tokens, "reused": windows.num_reused,
+                 "left_out": windows.num_left_out, "as_template": [k + leading for k in windows.as_template]}
         out.append((rank, where, ("ok", samples, windows.num_assistant_tokens, windows.num_kept_tokens,
-                                  dropped, reasoning)))
+                                  dropped, stats)))
     return out
 
 
@@ -269,14 +314,16 @@ def _read_error_reason(error: str) -> str:
 def tokenize_source(
     source: Source, *, model_dir: str, trust_remote_code: bool, seq_length: int,
     roles: Mapping[str, str], field: str | None, max_samples: int | None, shuffle: bool,
-    seed: int, workers: int, budget: Budget, template: Template = None,
+    seed: int, workers: int, budget: Budget, template: Template = None, reasoning: str = "template",
 ) -> TokenizedSet:
-    """Tokenize every selected record of ``source`` (see the module doc)."""
+    """Tokenize every selected record of ``source`` (see the module doc); ``reasoning`` is
+    ``tokenize.reasoning`` (draftline.tokenize.chat.encode_windows)."""
+    check_setting(reasoning)
     if workers < 1:
         raise ValueError(f"tokenize.workers must be >= 1, got {workers}")
     if seq_length < 1:
         raise ValueError(f"tokenize.seq_length must be >= 1, got {seq_length}")
-    tally = Tally()
+    tally = Tally(reasoning_setting=reasoning)
 
     def over_budget() -> DataError:
         return DataError(f"{source.label}: {tally.num_skipped} of {tally.num_records} records "
@@ -313,14 +360,14 @@ def tokenize_source(
 
     progress = Progress("tokenize", selected, unit="records", logger=log)
     for done in _ordered_map(_encode_batch, batches(), workers, _init_worker,
-                             (model_dir, trust_remote_code, seq_length, template)):
+                             (model_dir, trust_remote_code, seq_length, template, reasoning)):
         for rank, where, outcome in done:
             if outcome[0] == "skip":
                 tally.skip(where, outcome[1], outcome[2])
                 if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
                     raise over_budget()
                 continue
-            _, samples, total, kept, dropped, (reasoning, reasoning_dropped) = outcome
+            _, samples, total, kept, dropped, stats = outcome
             results[rank] = samples
             tally.drop_exchanges(where, dropped)
             tally.num_conversations += 1
@@ -329,8 +376,13 @@ def tokenize_source(
             tally.tool_result_samples += sum(bool(marks.any()) for _, _, _, marks in samples)
             tally.assistant_tokens += total
             tally.kept_tokens += kept
-            tally.reasoning_replies += reasoning
-            tally.reasoning_dropped += reasoning_dropped
+            tally.reasoning_replies += stats["reasoning"]
+            tally.reasoning_dropped += stats["reasoning_dropped"]
+            tally.reasoning_tokens += stats["reasoning_tokens"]
+            tally.num_samples += len(samples)
+            tally.num_tokens += sum(len(ids) for ids, _, _, _ in samples)
+            if reasoning == "as_generated":
+                tally.add_as_generated(where, stats)
         progress.advance_to(tally.num_records, detail=f"{tally.num_skipped} skipped")
     if not budget.allows(tally.num_skipped, tally.num_records):
         raise over_budget()

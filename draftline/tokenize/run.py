@@ -19,6 +19,7 @@ from draftline.tiny import embedded
 from draftline.tokenize import vocab
 from draftline.tokenize.conversations import check_roles
 from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
+from draftline.tokenize.generated import check_setting
 from draftline.tokenize.sources import open_source
 
 log = logging.getLogger("draftline.tokenize")
@@ -48,6 +49,7 @@ def run(cfg: DictConfig) -> dict:
     taken = RENDER_ARGUMENTS & set(settings.chat_template_kwargs)
     if taken:  # tokenize sets these itself for every render
         raise ValueError(f"tokenize.chat_template_kwargs may not set {sorted(taken)}")
+    reasoning = check_setting(settings.reasoning)
     roles = check_roles(OmegaConf.to_container(data.roles))
     workers = default_workers() if settings.workers is None else int(settings.workers)
     source = open_source(data.path, split=str(data.split))
@@ -68,7 +70,7 @@ def run(cfg: DictConfig) -> dict:
         field=None if data.field is None else str(data.field),
         max_samples=None if data.max_samples is None else int(data.max_samples),
         shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget,
-        template=OmegaConf.to_container(settings.chat_template_kwargs))
+        template=OmegaConf.to_container(settings.chat_template_kwargs), reasoning=reasoning)
     write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets,
                        result.tool_results)
     ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
@@ -81,8 +83,14 @@ def run(cfg: DictConfig) -> dict:
         log.info("%d exchanges dropped from %d kept conversations (prompt alone fills seq_length), "
                  "e.g. %s", tally.dropped_exchanges, tally.dropped_exchange_conversations,
                  tally.dropped_exchange_examples[0])
+    manifest = tally.manifest()
+    trained, extra = manifest["reasoning_trained"], manifest["as_generated"]
+    log.info("tokenize.reasoning=%s: %d of %d replies with reasoning trained with it (%d tokens)%s",
+             reasoning, trained["replies"], tally.reasoning_replies, trained["tokens"],
+             "" if extra is None else f"; {extra['extra_samples']} extra samples, their prompts "
+             f"{100 * extra['overhead_fraction']:.1f}% of the tokens")
     log.info("%d tokens (%d masked), %.1f%% of assistant tokens kept, draft vocab covers %.1f%% of "
-             "masked tokens", len(ids), int(mask.sum()), 100 * tally.manifest()["assistant_tokens_kept_fraction"],
+             "masked tokens", len(ids), int(mask.sum()), 100 * manifest["assistant_tokens_kept_fraction"],
              100 * vocab.coverage(freq, t2d))
     return {
         "samples": "samples.safetensors",
@@ -90,7 +98,7 @@ def run(cfg: DictConfig) -> dict:
         "num_samples": len(result.offsets) - 1,
         "num_tokens": len(ids),
         "num_masked_tokens": int(mask.sum()),
-        **tally.manifest(),
+        **manifest,
         "target_vocab_size": target_vocab,
         "draft_vocab_size": draft_vocab,
         "draft_vocab_coverage": vocab.coverage(freq, t2d),
