@@ -37,7 +37,7 @@ def anchor(prepared_tiny, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.long  # about 1-2 min on 2 cores (eager flex attention, a validation pass)
+@pytest.mark.slow  # about 1-2 min on 2 cores plus `make prepare EXP=tiny`; the long tier runs the anchor in tests/test_smollm2.py
 def test_the_anchor_trains_two_steps_and_saves_a_draft_evaluate_reads(anchor):
     from draftline.evaluate.rollout import load_draft, num_speculative_tokens
     from draftline.evaluate.run import check_features
