@@ -84,7 +84,7 @@ def vllm_failures(cfg: DictConfig, measured: dict | None) -> list[str]:
 
 
 def compare_drafts(cfg: DictConfig, extract: dict, samples: list, k: int, stats: dict,
-                   skipped: list, standard: dict | None) -> dict:
+                   standard: dict | None) -> dict:
     """Each draft of ``evaluate.compare`` (label: speculators-format directory, e.g. one trained
     by speculators' own Trainer or a published one) measured as the run's draft is: offline on
     the held-out split and on the standard benchmarks in vLLM. No gate: they are references."""
@@ -100,7 +100,7 @@ def compare_drafts(cfg: DictConfig, extract: dict, samples: list, k: int, stats:
         out[str(label)] = {
             "draft": str(other), "sha256": artifacts.sha256_tree(other),
             "offline": evaluate_offline([proposer], samples, k, **stats)["eagle3"],
-            "benchmarks": benchmarks.run(cfg, other, k, [], stats, skipped, plain_from=standard)}
+            "benchmarks": benchmarks.run(cfg, other, k, [], stats, plain_from=standard)}
     return out
 
 
@@ -149,8 +149,8 @@ def run(cfg: DictConfig) -> dict:
     regenerated = artifacts.read_manifest(config.stage_dir(cfg, "regenerate"))
     on_target_text = regenerated["replies"] == "target"
     measured = measure_in_vllm(cfg, draft, k, samples, proposers[0], stats, skipped, on_target_text)
-    standard = benchmarks.run(cfg, draft, k, proposers[1:], stats, skipped)
-    compared = compare_drafts(cfg, extract, samples, k, stats, skipped, standard)
+    standard = benchmarks.run(cfg, draft, k, proposers[1:], stats)
+    compared = compare_drafts(cfg, extract, samples, k, stats, standard)
     vllm = None
     if cfg.evaluate.vllm_check:
         vllm = check_vllm_load(draft, cfg.model.path, k,
