@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from chat_families import family_tokenizer
-from test_tool_traces import mixed_records
+from test_tool_traces import marked, mixed_records
 
 from draftline.cli import init
 from draftline.tiny import targets
@@ -86,17 +86,6 @@ def base(tmp_path_factory):
 def families(base):
     names = ("kimi", "qwen3", "deepseek_r1", "deepseek_r1_own", "llama31")
     return {name: family_tokenizer(base, name) for name in names}
-
-
-def marked(tok, ids, mask) -> str:
-    """The tokens with ``[[...]]`` around masked runs (for reading a failure)."""
-    out, inside = [], False
-    for token, bit in zip(ids, mask):
-        if bit != inside:
-            out.append("[[" if bit else "]]")
-            inside = bool(bit)
-        out.append(tok.decode([token]))
-    return "".join(out) + ("]]" if inside else "")
 
 
 def expected(tok, family: str, messages: list[dict], tools: list[dict], k: int
