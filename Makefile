@@ -172,15 +172,19 @@ WHEN_CHANGED := bash draftline/cli/when_changed.sh
 # EXP=tiny-trained uses a tiny target trained briefly on the bundled corpus, built once and
 # cached under runs/_assets/ like any stage output; its code is the import closure of its
 # builder, read from the imports (draftline.pipeline.deps uses the standard library only).
-TRAINED_TARGET := $(ASSETS)/tiny-trained/build.json
+# EXP=tiny-thinking's target (conf/model/tiny-thinking.yaml) is built the same way.
+TRAINED_EXPS := tiny-trained tiny-thinking
+TRAINED := $(or $(filter $(TRAINED_EXPS),$(EXP)),tiny-trained)
+TRAINED_TARGET := $(ASSETS)/$(TRAINED)/build.json
 TRAINED_TARGET_CODE = $(shell $(WHEN_CHANGED) --answer $(RUN)/.target-code \
   $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
-TRAINED_TARGET_INPUTS = $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
+TRAINED_TARGET_INPUTS = $(if $(filter $(TRAINED_EXPS),$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
+  $(if $(filter tiny-thinking,$(EXP)),conf/model/tiny-thinking.yaml) \
   $(VENV)/.setup-$(STACK)
 
 .PHONY: FORCE
 $(TRAINED_TARGET): $(TRAINED_TARGET_INPUTS)
-	$(PY) -m draftline.tiny.trained experiment=tiny-trained
+	$(PY) -m draftline.tiny.trained experiment=$(TRAINED)
 
 # The experiment's other inputs, what its composed config names: the tiny random target of its
 # model config (build: tiny_llama, ...) and the embedded conversation set, built deterministically
@@ -188,7 +192,7 @@ $(TRAINED_TARGET): $(TRAINED_TARGET_INPUTS)
 # rule asks it whenever the config, the code or an asset changed, and it records what it read
 # in $(RUN)/.assets-inputs. A dry run prints this recipe and runs nothing.
 EXP_ASSETS := $(RUN)/.assets-inputs
-$(EXP_ASSETS): FORCE $(VENV)/.setup-$(STACK) $(if $(filter tiny-trained,$(EXP)),$(TRAINED_TARGET))
+$(EXP_ASSETS): FORCE $(VENV)/.setup-$(STACK) $(if $(filter $(TRAINED_EXPS),$(EXP)),$(TRAINED_TARGET))
 	@$(WHEN_CHANGED) $(RUN)/.assets $(PY) -m draftline.cli.status assets $(EXP) -- $(OVERRIDES)
 
 # `+`: stamping runs under `make -n` too, so a dry run lists exactly the stages that would
@@ -256,7 +260,7 @@ train: $(RUN)/train/manifest.json ## Train the EAGLE-3 draft with speculators
 all: train ## Every stage, rerunning only stale ones
 
 .PHONY: target evaluate report
-target: $(TRAINED_TARGET) ## Train the tiny target of EXP=tiny-trained (cached under runs/_assets/)
+target: $(TRAINED_TARGET) ## Train the tiny target of EXP=tiny-trained or tiny-thinking (cached under runs/_assets/)
 evaluate: $(RUN)/evaluate/manifest.json ## Draft acceptance (tau) vs baselines, measured in vLLM too, vLLM load; tau gate
 report: $(RUN)/report/manifest.json ## One HTML page of the run under runs/<EXP>/report/
 
@@ -272,7 +276,7 @@ status: ## Say which stages are stale and why (setup, config, code, packages, pa
 	@[ -x $(PY) ] || { echo "make status: no $(PY): run make setup first" >&2; exit 1; }
 	+@$(STAMP)
 	@$(PY) -m draftline.cli.status show $(RUN) --exp $(EXP) --setup "$(VENV)/.setup-$(STACK) $(SETUP_INPUTS)" \
-	  $(if $(filter tiny-trained,$(EXP)),--target "$(TRAINED_TARGET) $(TRAINED_TARGET_INPUTS)")
+	  $(if $(filter $(TRAINED_EXPS),$(EXP)),--target "$(TRAINED_TARGET) $(TRAINED_TARGET_INPUTS)")
 
 accept: $(STAMPS) ## Keep STAGE's outputs across a code/package/patch change you know is harmless (recorded in its manifest)
 	@[ -n "$(STAGE)" ] || { echo "usage: make accept STAGE=<stage> [EXP=...]" >&2; exit 2; }

@@ -3,7 +3,9 @@
 * tokenized samples (tokenize, regenerate -> regenerate, extract): flat ids, masks, offsets;
 * hidden-state shards (extract -> prepare, train, evaluate);
 * the split index (prepare -> train, evaluate);
-* the vocab mapping (tokenize, regenerate -> train, report).
+* the vocab mapping (tokenize, regenerate -> train, report);
+* conversation records (tokenize -> regenerate with ``tokenize.reasoning=as_generated``, and the
+  regenerated ones regenerate writes): one JSON object a line, ``where``, ``messages``, ``tools``.
 
 Each key is named once below; a stage that spells one itself would silently read nothing
 after a rename here.
@@ -365,3 +367,19 @@ def load_vocab_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 def load_token_freq(path: str | Path) -> torch.Tensor:
     """The masked-token counts recorded beside the mapping: [target_vocab]."""
     return load_file(str(path))[TOKEN_FREQ]
+
+
+# --------------------------------------------------------------------------- conversation records
+
+
+def write_records(path: str | Path, records: Sequence[dict]) -> None:
+    """One JSON object a line (``where``, ``messages`` in the chat format, ``tools`` if any)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -31,38 +31,8 @@ from __future__ import annotations
 
 import copy
 
-KIMI_SPECIALS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
-                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"]
-KIMI_TEMPLATE = (
-    "{% macro ts_type(p) %}{% if p.type == 'integer' or p.type == 'number' %}number"
-    "{% elif p.type == 'boolean' %}boolean{% elif p.enum is defined %}"
-    "{{ p.enum | map('tojson') | join(' | ') }}{% else %}string{% endif %}{% endmacro %}"
-    "{% if tools %}<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
-    "{% for t in tools %}{% set f = t.function %}"
-    "// {{ f.description }}\ntype {{ f.name }} = (_: {\n"
-    "{% for name, p in f.parameters.properties.items() %}"
-    "{% if p.description is defined %}// {{ p.description }}\n{% endif %}"
-    "{{ name }}{{ '' if name in f.parameters.get('required', []) else '?' }}: {{ ts_type(p) }},\n"
-    "{% endfor %}}) => any;\n{% endfor %}}<|im_end|>{% endif %}"
-    "{% set ns = namespace(last=-1) %}"
-    "{% for m in messages %}{% if m.role == 'assistant' and not m.get('tool_calls') %}"
-    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}"
-    "{% elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>"
-    "{% if loop.index0 > ns.last or preserve_thinking %}<think>{{ m.get('reasoning_content') or '' }}</think>"
-    "{% else %}<think></think>{% endif %}{{ m.content }}"
-    "{% if m.get('tool_calls') %}<|tool_calls_section_begin|>"
-    "{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}<|tool_call_argument_begin|>"
-    "{{ c.function.arguments | tojson }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"
-    "{% endif %}"
-    "{% elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n"
-    "{{ m.content }}"
-    "{% else %}<|im_system|>{{ m.role }}<|im_middle|>{{ m.content }}{% endif %}<|im_end|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-)
+# Kimi's: the tiny thinking target (draftline/tiny/targets.py, chat="kimi") carries the same.
+from draftline.tiny.templates import KIMI_SPECIALS, KIMI_TEMPLATE  # noqa: E402
 
 QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
                   "</tool_response>", "<think>", "</think>"]
@@ -82,8 +52,8 @@ QWEN3_TEMPLATE = (
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
     "{% set r = (m.get('reasoning_content') or '').strip('\n') %}"
-    "{% if loop.index0 > ns.last_query and (loop.last or r) %}<think>\n{{ r }}\n</think>\n\n{% endif %}"
-    "{{ m.content }}"
+    "{% if loop.index0 > ns.last_query and (loop.last or r) %}<think>\n{{ r }}\n</think>\n\n"
+    "{{ m.content.lstrip('\n') }}{% else %}{{ m.content }}{% endif %}"
     "{% for c in m.get('tool_calls', []) %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
     "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
     "\n</tool_call>{% endfor %}<|im_end|>\n"

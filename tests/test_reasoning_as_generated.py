@@ -255,6 +255,9 @@ def test_init_writes_as_generated_for_a_thinking_target(families, base):
         assert yaml.safe_load(text)["tokenize"]["reasoning"] == "as_generated"
         assert "  # A thinking target: most of what it generates is reasoning" in text  # and why
         assert "reasoning" not in yaml.safe_load(init.experiment_yaml(facts, on_gpu))["tokenize"]
+    # vLLM's parser for the family, which regenerate splits the target's replies with
+    assert yaml.safe_load(init.model_yaml(facts, thinking=True))["reasoning_parser"] == "qwen3"
+    assert yaml.safe_load(init.model_yaml(facts))["reasoning_parser"] is None
 
 
 def test_make_init_on_a_thinking_target_composes_with_as_generated(families, tmp_path):
@@ -270,4 +273,5 @@ def test_make_init_on_a_thinking_target_composes_with_as_generated(families, tmp
     data.write_text(json.dumps(record()) + "\n")
     lines = init.init(str(model), str(data), "thinker", conf_dir=conf, on_gpu=False)
     assert any(line.endswith(": a thinking target, tokenize.reasoning=as_generated") for line in lines)
-    assert config.compose(["experiment=thinker"], conf_dir=conf).tokenize.reasoning == "as_generated"
+    composed = config.compose(["experiment=thinker"], conf_dir=conf)
+    assert (composed.tokenize.reasoning, composed.regenerate.reasoning_parser) == ("as_generated", "qwen3")

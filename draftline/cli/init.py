@@ -270,7 +270,24 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB" if size < 1e11 else f"{size / 1e9:.0f} GB"
 
 
-def model_yaml(facts: Target) -> str:
+# vLLM's reasoning parser for a thinking target, by the architecture's family (its name in
+# vllm.reasoning's registry): regenerate splits the target's replies with it.
+REASONING_PARSERS = (("Kimi", "kimi_k2"), ("Qwen3", "qwen3"), ("DeepseekV3", "deepseek_r1"),
+                     ("DeepseekV2", "deepseek_r1"))
+
+
+def reasoning_parser_line(architecture: str, thinking: bool) -> str:
+    if not thinking:
+        return _line("reasoning_parser: null", "its template does not think: replies are text only")
+    name = next((parser for prefix, parser in REASONING_PARSERS if architecture.startswith(prefix)), None)
+    if name is None:
+        return _line("reasoning_parser: null", "a thinking template: set vLLM's reasoning parser for the "
+                     "family before regenerate.replies=target (regenerate refuses without one)")
+    return _line(f"reasoning_parser: {name}", "vLLM's reasoning parser for the family (regenerate splits "
+                 "the target's replies with it)")
+
+
+def model_yaml(facts: Target, thinking: bool = False) -> str:
     s = facts.shape
     tp = facts.tensor_parallel_size
     weights = f"{_gb(facts.weight_bytes)} of weights ({facts.weights_from})"
@@ -297,6 +314,7 @@ def model_yaml(facts: Target) -> str:
         _line("build: null", "real model: never built"),
         _line(f"dtype: {facts.dtype}", "torch dtype vLLM runs the target in (config.json's; auto = checkpoint dtype)"),
         _line(f"trust_remote_code: {str(bool(facts.remote_code)).lower()}", remote),
+        reasoning_parser_line(s.architecture, thinking),
         _line(f"num_layers: {s.num_layers}", "decoder layers (checked against config.json)"),
         _line(f"hidden_size: {s.hidden_size}", "hidden width (checked against config.json)"),
         _line(f"aux_layer_ids: {facts.aux_layer_ids}",
@@ -455,7 +473,7 @@ def init(model: str, data: str, name: str | None = None, conf_dir: Path = CONF_D
         from draftline.engine import cuda_available
 
         on_gpu = cuda_available()
-    for path, text in zip(files, (model_yaml(facts), experiment_yaml(facts, on_gpu, thinking))):
+    for path, text in zip(files, (model_yaml(facts, thinking), experiment_yaml(facts, on_gpu, thinking))):
         path.write_text(text)
     repo = conf_dir.parent
     said, overrides = local_paths(local_of(name, conf_dir), {"model.path": machine_path(model, repo),

@@ -362,7 +362,8 @@ def reproduce(from_dir: Path, force: bool, search: list[Path], atol: float, tau_
         if stage == "tokenize" and cfg["data"].get("build"):
             from draftline.tiny import embedded
 
-            embedded.ensure_conversations(cfg["data"]["path"], cfg["assets_dir"], int(cfg["data"]["max_bytes"]))
+            embedded.ensure_conversations(cfg["data"]["path"], cfg["assets_dir"], int(cfg["data"]["max_bytes"]),
+                                           str(cfg["data"]["build"]))
         seconds = run_stage(stage, cfg, out)
         verdict, notes = compare_stage(from_dir / stage, out / stage, atol, tau_tol,
                                        manifest["provenance"]["config"]["run_dir"])

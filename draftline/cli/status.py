@@ -30,6 +30,7 @@ make stale; given the trained target's rule, whether it would be retrained.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -71,7 +72,7 @@ def check_owned_paths(cfg) -> None:
     if cfg.data.build == public.PROMPTS_BUILD:
         public.check_under_assets(cfg.data.path, cfg.assets_dir, cfg.data.build)
     elif cfg.data.build:
-        embedded.check_data_path(cfg.data.path, cfg.assets_dir)
+        embedded.check_data_path(cfg.data.path, cfg.assets_dir, str(cfg.data.build))
     model_dir, assets = Path(cfg.model.path).resolve(), Path(cfg.assets_dir).resolve()
     if cfg.model.build and assets not in model_dir.parents:
         raise NotAProjectPath(
@@ -93,7 +94,8 @@ def ensure_assets(cfg) -> None:
         from draftline.tiny import targets
 
         builders = {"tiny_llama": targets.build_tiny_llama, "tiny_deepseek_v3": targets.build_tiny_deepseek_v3,
-                    "tiny_kimi_k25": targets.build_tiny_kimi_k25}
+                    "tiny_kimi_k25": targets.build_tiny_kimi_k25,
+                    "tiny_kimi_k25_thinking": functools.partial(targets.build_tiny_kimi_k25, chat="kimi")}
         builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
     if cfg.data.build == "public_prompts":
         from draftline.public import assets
@@ -105,7 +107,8 @@ def ensure_assets(cfg) -> None:
     elif cfg.data.build:
         from draftline.tiny import embedded
 
-        embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(cfg.data.path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes),
+                                      build=str(cfg.data.build))
 
 
 def _asset_inputs(cfg) -> list[str]:
@@ -312,7 +315,15 @@ def summary(run_dir: Path, exp: str, lines: list[str], setup_stale: bool = False
     from draftline.evaluate import gate
     from draftline.pipeline import artifacts
 
+    from draftline.tokenize import generated
+
     out = []
+    tokenized = run_dir / "tokenize" / artifacts.MANIFEST
+    if tokenized.exists():  # which reasoning the samples train (tokenize.reasoning)
+        regenerated = run_dir / "regenerate" / artifacts.MANIFEST
+        rows = generated.describe(artifacts.read_json(tokenized),
+                                  artifacts.read_json(regenerated) if regenerated.exists() else None)
+        out += [f"{'reasoning:' if i == 0 else '':>11} {what}: {value}" for i, (what, value) in enumerate(rows)]
     draft = run_dir / "draft"
     out.append(f"     draft: {draft} -> {os.readlink(draft)}" if draft.is_symlink()
                else "     draft: not trained yet")

@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from draftline.tokenize import generated
+
 import matplotlib
 
 matplotlib.use("Agg")  # headless: the report runs in CI and on GPU hosts without a display
@@ -501,6 +503,9 @@ def render(title: str, manifests: dict[str, dict], evaluation: dict, figures: di
                ["coverage of masked data tokens", f"{data['draft_vocab_coverage']:.2%}"],
                ["coverage of the target's greedy tokens (held-out)",
                 f"{evaluation['draft_vocab_coverage_of_greedy']:.2%}"]], ["", "value"]),
+        "<h2>Reasoning</h2>",
+        table([list(row) for row in generated.describe(manifests["tokenize"], data)] or
+              [["tokenize.reasoning", "not recorded (a tokenize run before the setting)"]], ["", "value"]),
         "<h2>Extraction</h2>", figure_html(figures["extraction"]),
         table([["tokens", extract["num_tokens"]], ["samples", extract["num_samples"]],
                ["shards", len(extract["shards"])],

@@ -22,6 +22,7 @@ import importlib
 import inspect
 import json
 import platform
+import re
 import sys
 import warnings
 import zlib
@@ -92,14 +93,21 @@ class NotTheEmbeddedPath(ValueError):
     would write its set there, so the config is refused instead."""
 
 
-def conversations_path(assets_dir: str | Path) -> Path:
+# data.build names of the embedded set: as committed, and with reasoning added to every reply
+# (:func:`with_reasoning`, for the thinking tiny target), each at its own place under the assets.
+BUILDS = {"stdlib_docstrings": CONVERSATIONS, "stdlib_docstrings_reasoning": "conversations-reasoning.jsonl"}
+
+
+def conversations_path(assets_dir: str | Path, build: str = "stdlib_docstrings") -> Path:
     """Where the embedded set is written: the project's assets, never a path a user chose."""
-    return Path(assets_dir) / CONVERSATIONS
+    if build not in BUILDS:
+        raise ValueError(f"data.build={build!r}: the embedded set's builds are {', '.join(BUILDS)}")
+    return Path(assets_dir) / BUILDS[build]
 
 
-def check_data_path(data_path: str | Path, assets_dir: str | Path) -> Path:
+def check_data_path(data_path: str | Path, assets_dir: str | Path, build: str = "stdlib_docstrings") -> Path:
     """The embedded set's path, after refusing a ``data.path`` that names anything else."""
-    expected = conversations_path(assets_dir)
+    expected = conversations_path(assets_dir, build)
     if Path(data_path).resolve() != expected.resolve():
         raise NotTheEmbeddedPath(
             f"data.path={data_path} is set, but data is the embedded set, which lives only at "
@@ -108,14 +116,43 @@ def check_data_path(data_path: str | Path, assets_dir: str | Path) -> Path:
 
 
 def ensure_conversations(data_path: str | Path, assets_dir: str | Path,
-                         max_bytes: int = BUILD_MAX_BYTES) -> Path:
+                         max_bytes: int = BUILD_MAX_BYTES, build: str = "stdlib_docstrings") -> Path:
     """The embedded set (capped at ``max_bytes``) at its place under ``assets_dir``, rewritten
     when it is missing or differs (a copy made by an older builder, or edited by hand).
     ``data_path`` is the configured one: it must be that place (``check_data_path``)."""
-    out_path = check_data_path(data_path, assets_dir)
-    if not out_path.exists() or out_path.read_bytes() != _capped(max_bytes):
-        write_conversations(out_path, max_bytes)
+    out_path = check_data_path(data_path, assets_dir, build)
+    data = _capped(max_bytes)
+    if build == "stdlib_docstrings_reasoning":
+        data = b"".join(json.dumps(with_reasoning(json.loads(line)), ensure_ascii=False).encode() + b"\n"
+                        for line in data.splitlines())
+    if not out_path.exists() or out_path.read_bytes() != data:
+        with atomic_path(out_path) as tmp:
+            tmp.write_bytes(data)
     return out_path
+
+
+_NAME = re.compile(r"`([^`]+)`")
+
+
+def with_reasoning(record: dict) -> dict:
+    """``record`` with ``reasoning_content`` on every assistant reply: a short plan written from
+    the question before it and the reply's own form, so a target trained on the set learns to
+    think before it answers, and what it thinks follows from the context (a draft can learn it)."""
+    messages, question = [], ""
+    for message in record["messages"]:
+        if message["role"] == "user":
+            question = message["content"]
+        elif message["role"] == "assistant":
+            found = _NAME.search(question)
+            name = found.group(1) if found else "it"
+            content = message["content"]
+            form = ("quote its documentation after a lead-in" if content.startswith("Here is")
+                    else "name it, then give its documentation" if content.startswith("`")
+                    else "give its documentation as it is")
+            message = {**message, "reasoning_content":
+                       f"The user asks about `{name}`. I know its docstring; I will {form}."}
+        messages.append(message)
+    return {**record, "messages": messages}
 
 
 def tokenizer_corpus() -> list[str]:

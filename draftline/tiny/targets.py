@@ -130,30 +130,46 @@ def _train_bpe(corpus: list[str] | None, vocab_size: int):
     return tok
 
 
-def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int):
+def _chat(chat: str) -> tuple[list[str], str, str]:
+    """``(extra special tokens, chat template, end-of-turn token)`` of a tiny target's chat:
+    ``plain`` (:data:`CHAT_TEMPLATE`) or ``kimi`` (Kimi-K2.5's thinking template,
+    draftline.tiny.templates)."""
+    if chat == "plain":
+        return [], CHAT_TEMPLATE, END
+    if chat == "kimi":
+        from draftline.tiny.templates import KIMI_END_OF_TURN, KIMI_SPECIALS, KIMI_TEMPLATE
+
+        return list(KIMI_SPECIALS), KIMI_TEMPLATE, KIMI_END_OF_TURN
+    raise ValueError(f"chat={chat!r}: a tiny target's chat is plain or kimi")
+
+
+def _write_tokenizer(out_dir: Path, corpus: list[str] | None, vocab_size: int, chat: str = "plain"):
+    """The BPE, with ``chat``'s special tokens within ``vocab_size`` (the BPE learns fewer merges)."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = _train_bpe(corpus, vocab_size)
+    extra, template, _ = _chat(chat)
+    tok = _train_bpe(corpus, vocab_size - len(extra))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[SYSTEM, USER, ASSISTANT, END],
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, END, *extra],
         clean_up_tokenization_spaces=False,
         model_max_length=2048,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def _write_generation_config(model, tokenizer) -> None:
+def _write_generation_config(model, tokenizer, chat: str = "plain") -> None:
+    """eos: the tokenizer's and the chat's end of turn (where a reply ends)."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END)],
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(_chat(chat)[2])],
         pad_token_id=tokenizer.pad_token_id,
     )
 
@@ -193,13 +209,15 @@ def build_tiny_llama(
     initializer_range: float = 0.02,
     seed: int = 0,
     head_dim: int | None = None,
+    chat: str = "plain",
 ) -> Path:
     """Write a random float32 ``LlamaForCausalLM`` plus tokenizer to ``out_dir``.
 
     head_dim = hidden_size // num_heads unless given (64 by default; vLLM's CPU attention
     accepts 32, 64, 80, 96, 112, 128, 160, 192, 224, 256); a given one makes a wide model
     with few heads cheap (benchmarks/extract.py's Kimi-width target).  Untied embeddings,
-    no rope scaling.  Returns ``out_dir`` as an absolute Path.
+    no rope scaling.  ``chat``: its chat template and specials (:func:`_chat`).  Returns
+    ``out_dir`` as an absolute Path.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -207,7 +225,7 @@ def build_tiny_llama(
     if (head_dim is None and hidden_size % num_heads) or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
     with atomic_dir(out_dir) as tmp:
-        tok = _write_tokenizer(tmp, None, vocab_size)
+        tok = _write_tokenizer(tmp, None, vocab_size, chat)
         config = LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -233,7 +251,7 @@ def build_tiny_llama(
         )
         with _seeded(seed):
             model = LlamaForCausalLM(config).to(torch.float32).eval()
-        _write_generation_config(model, tok)
+        _write_generation_config(model, tok, chat)
         model.save_pretrained(str(tmp), safe_serialization=True)
     return Path(out_dir).absolute()
 
@@ -260,8 +278,10 @@ def build_tiny_deepseek_v3(
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
     seed: int = 0,
+    chat: str = "plain",
 ) -> Path:
-    """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer.
+    """Write a random float32 ``DeepseekV3ForCausalLM`` (MLA + MoE) plus tokenizer (``chat``:
+    its chat template and specials, :func:`_chat`).
 
     Layers ``< first_k_dense_replace`` use a dense MLP, the rest are MoE
     (sigmoid routing with ``topk_method="noaux_tc"``, n_group = topk_group = 1).
@@ -281,7 +301,7 @@ def build_tiny_deepseek_v3(
     if v_head_dim > qk_nope_head_dim + qk_rope_head_dim:
         raise ValueError("vLLM pads v to the qk head dim, so v_head_dim must not exceed it")
     with atomic_dir(out_dir) as tmp:
-        tok = _write_tokenizer(tmp, None, vocab_size)
+        tok = _write_tokenizer(tmp, None, vocab_size, chat)
         config = DeepseekV3Config(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -331,7 +351,7 @@ def build_tiny_deepseek_v3(
                 for layer in model.model.layers[first_k_dense_replace:]:
                     bias = layer.mlp.gate.e_score_correction_bias
                     bias.copy_(torch.randn(bias.shape) * initializer_range)
-        _write_generation_config(model, tok)
+        _write_generation_config(model, tok, chat)
         model.save_pretrained(str(tmp), safe_serialization=True)
     return Path(out_dir).absolute()
 

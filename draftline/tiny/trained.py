@@ -69,9 +69,15 @@ def split_conversations(conversations: list, fraction: float, seed: int) -> tupl
 
 
 def encode(tokenizer, conversations: list, seq_length: int) -> list[list[int]]:
-    """Chat-rendered token ids per conversation, truncated like tokenize does."""
-    from draftline.tokenize.chat import encode_conversation
+    """Chat-rendered token ids per conversation, truncated like tokenize does.  For a thinking
+    template, each reply as generated after its own prompt (``tokenize.reasoning=as_generated``):
+    the target learns to write its reasoning where the server asks it for a reply."""
+    from draftline.tokenize.chat import encode_conversation, encode_windows
+    from draftline.tokenize.generated import thinking_template
 
+    if thinking_template(tokenizer):
+        return [s.input_ids for i, messages in enumerate(conversations)
+                for s in encode_windows(tokenizer, messages, seq_length, sample=i, reasoning="as_generated").samples]
     return [encode_conversation(tokenizer, messages, seq_length, sample=i).input_ids
             for i, messages in enumerate(conversations)]
 
@@ -148,7 +154,8 @@ def ensure_corpus(cfg: DictConfig) -> Path:
     if cfg.data.build:
         from draftline.tiny import embedded
 
-        embedded.ensure_conversations(path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes))
+        embedded.ensure_conversations(path, cfg.assets_dir, max_bytes=int(cfg.data.max_bytes),
+                                        build=str(cfg.data.build))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no conversations to train the target on")
     return path
@@ -171,7 +178,8 @@ def build_trained_target(cfg: DictConfig) -> Path:
                               hidden_size=int(cfg.model.hidden_size),
                               num_heads=int(cfg.model.num_heads),
                               num_kv_heads=int(cfg.model.num_kv_heads),
-                              intermediate_size=int(cfg.model.intermediate_size), seed=spec.seed)
+                              intermediate_size=int(cfg.model.intermediate_size), seed=spec.seed,
+                              chat=str(cfg.model.get("chat", "plain")))
         tokenizer = AutoTokenizer.from_pretrained(str(tmp))
         conversations, _skipped = load_conversations(corpus, max_skipped=0)
         kept, held = split_conversations(

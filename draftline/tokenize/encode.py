@@ -305,6 +305,9 @@ class TokenizedSet:
     offsets: np.ndarray  # int64 [num_samples + 1]
     tally: Tally
     tool_results: np.ndarray | None = None  # uint8 [total_tokens]; None when no sample has any
+    # as_generated: each kept conversation as a record (where, messages, tools), in sample order:
+    # what regenerate's target replies are generated from, turn by turn (draftline/regenerate/turns.py)
+    conversations: list[dict] | None = None
 
 
 def _read_error_reason(error: str) -> str:
@@ -347,6 +350,8 @@ def tokenize_source(
                 tally.leading_dropped_turns += normalized.dropped_leading
             tally.normalized.update(normalized.fixes)
             batch.append((rank, where, normalized.messages, normalized.dropped_leading, normalized.tools))
+            if reasoning == "as_generated":
+                records[rank] = (normalized.messages, normalized.tools)
             if len(batch) == BATCH:
                 yield batch
                 batch = []
@@ -354,6 +359,7 @@ def tokenize_source(
             yield batch
 
     results: dict[int, list] = {}
+    records: dict[int, tuple] = {}  # rank -> (messages, tools): as_generated keeps them for regenerate
     def selected() -> int:  # counted only for runs long enough to report on
         count = source.count()
         return count if max_samples is None else min(count, max_samples)
@@ -363,12 +369,16 @@ def tokenize_source(
                              (model_dir, trust_remote_code, seq_length, template, reasoning)):
         for rank, where, outcome in done:
             if outcome[0] == "skip":
+                records.pop(rank, None)
                 tally.skip(where, outcome[1], outcome[2])
                 if isinstance(budget.value, int) and not budget.allows(tally.num_skipped, 0):
                     raise over_budget()
                 continue
             _, samples, total, kept, dropped, stats = outcome
             results[rank] = samples
+            if rank in records:
+                messages, tools = records[rank]
+                records[rank] = {"where": where, "messages": messages, **({"tools": tools} if tools else {})}
             tally.drop_exchanges(where, dropped)
             tally.num_conversations += 1
             tally.num_split += len(samples) > 1
@@ -389,15 +399,16 @@ def tokenize_source(
     if not results:
         raise DataError(f"{source.label}: no usable conversation among {tally.num_records} "
                         f"records: the tokenized dataset is empty\n{tally.table()}")
-    return _flatten(results, tally)
+    conversations = [records[rank] for rank in sorted(results)] if reasoning == "as_generated" else None
+    return _flatten(results, tally, conversations)
 
 
-def _flatten(results: dict[int, list], tally: Tally) -> TokenizedSet:
+def _flatten(results: dict[int, list], tally: Tally, conversations: list[dict] | None = None) -> TokenizedSet:
     samples = [sample for rank in sorted(results) for sample in results[rank]]
     lengths = np.array([len(ids) for ids, _, _, _ in samples], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
     ids = np.concatenate([ids for ids, _, _, _ in samples]).astype(np.int64)
     mask = np.concatenate([mask for _, mask, _, _ in samples])
     marks = np.concatenate([marks for _, _, _, marks in samples]) if tally.tool_result_samples else None
-    return TokenizedSet(ids, mask, offsets, tally, marks)
+    return TokenizedSet(ids, mask, offsets, tally, marks, conversations)
 

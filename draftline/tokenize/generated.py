@@ -37,7 +37,7 @@ from draftline.tokenize.spans import (ChatTemplateError, Rendered, SampleLabel, 
                                       _render_template, _tool_after, render_conversation)
 from draftline.tokenize.traces import THINK_OPEN
 
-__all__ = ["PRESERVE", "SETTINGS", "Generated", "check_setting", "reply_as_generated",
+__all__ = ["PRESERVE", "SETTINGS", "Generated", "check_setting", "describe", "reply_as_generated",
            "thinking_template"]
 
 # tokenize.reasoning: the reply as the target generates it, the whole record as the template
@@ -53,6 +53,30 @@ def check_setting(value: Any) -> str:
     if value not in SETTINGS:
         raise ValueError(f"tokenize.reasoning must be one of {', '.join(SETTINGS)}, got {value!r}")
     return value
+
+
+def describe(tokenize: dict, regenerate: dict | None = None) -> list[tuple[str, str]]:
+    """``(what, value)`` rows of the reasoning a run trained, from the tokenize and regenerate
+    manifests (``make status`` and the report show them)."""
+    trained = tokenize.get("reasoning_trained")
+    if not trained:
+        return []
+    chosen = trained.get("chosen", "configured")
+    rows = [("tokenize.reasoning", f"{trained['setting']} ({chosen})"),
+            ("reasoning trained (data)", f"{trained['replies']} of {tokenize['reasoning']['replies']} replies "
+                                         f"with reasoning, {trained['tokens']} tokens")]
+    extra = tokenize.get("as_generated")
+    if extra:
+        rows.append(("as_generated prompts (data)", f"{extra['extra_samples']} extra samples, "
+                     f"{extra['extra_prefix_tokens']} prompt tokens ({extra['overhead_fraction']:.1%} of "
+                     f"{extra['tokens']})"))
+    if regenerate and regenerate.get("form") == "turns":
+        g = regenerate["generation"]
+        rows.append(("target replies", f"turn by turn after the server's prompt; split by "
+                     f"{regenerate.get('reasoning_parser') or 'no reasoning parser'}: {g['with_reasoning']} of "
+                     f"{g['stopped']} finished replies with reasoning; {g['rerendered']} render back as "
+                     f"generated, {g['rerender_differs']} otherwise"))
+    return rows
 
 
 @dataclass(frozen=True)

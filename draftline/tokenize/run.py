@@ -12,14 +12,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftline import target
-from draftline.formats import write_flat_samples
+from draftline.formats import write_flat_samples, write_records
 from draftline.pipeline import config
 from draftline.public import assets as public_assets
 from draftline.tiny import embedded
 from draftline.tokenize import vocab
 from draftline.tokenize.conversations import check_roles
 from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
-from draftline.tokenize.generated import check_setting
+from draftline.tokenize.generated import check_setting, thinking_template
 from draftline.tokenize.sources import open_source
 
 log = logging.getLogger("draftline.tokenize")
@@ -41,7 +41,7 @@ def run(cfg: DictConfig) -> dict:
     if data.build == public_assets.PROMPTS_BUILD:  # project-built sets only at their own places
         public_assets.check_under_assets(data.path, cfg.assets_dir, data.build)
     elif data.build:  # the embedded set is read only from its own place, never a user's path
-        embedded.check_data_path(data.path, cfg.assets_dir)
+        embedded.check_data_path(data.path, cfg.assets_dir, str(data.build))
     budget = Budget(settings.max_skipped)
     if not isinstance(settings.chat_template_kwargs, DictConfig):
         raise ValueError(f"tokenize.chat_template_kwargs must be a mapping of template arguments, "
@@ -49,7 +49,8 @@ def run(cfg: DictConfig) -> dict:
     taken = RENDER_ARGUMENTS & set(settings.chat_template_kwargs)
     if taken:  # tokenize sets these itself for every render
         raise ValueError(f"tokenize.chat_template_kwargs may not set {sorted(taken)}")
-    reasoning = check_setting(settings.reasoning)
+    chosen = settings.reasoning
+    reasoning = None if chosen is None else check_setting(chosen)
     roles = check_roles(OmegaConf.to_container(data.roles))
     workers = default_workers() if settings.workers is None else int(settings.workers)
     source = open_source(data.path, split=str(data.split))
@@ -59,6 +60,10 @@ def run(cfg: DictConfig) -> dict:
     target_vocab = target_vocab_size(str(cfg.model.path))
     if len(tokenizer) > target_vocab:
         raise ValueError(f"tokenizer has {len(tokenizer)} ids > model vocab {target_vocab}")
+    if reasoning is None:  # the default: each reply as generated where the template drops reasoning
+        reasoning = "as_generated" if thinking_template(tokenizer) else "template"
+        log.info("tokenize.reasoning=null: %s (%s)", reasoning, "the target's template is a thinking "
+                 "model's" if reasoning == "as_generated" else "the target's template does not think")
     draft_vocab = int(settings.draft_vocab_size)
     if draft_vocab > target_vocab:
         raise ValueError(f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}")
@@ -73,6 +78,8 @@ def run(cfg: DictConfig) -> dict:
         template=OmegaConf.to_container(settings.chat_template_kwargs), reasoning=reasoning)
     write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets,
                        result.tool_results)
+    if result.conversations is not None:  # what regenerate generates the target's replies from
+        write_records(out_dir / "conversations.jsonl", result.conversations)
     ids, mask = torch.from_numpy(result.input_ids), torch.from_numpy(result.loss_mask)
     freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", [ids], [mask], target_vocab, draft_vocab)
     tally = result.tally
@@ -95,10 +102,13 @@ def run(cfg: DictConfig) -> dict:
     return {
         "samples": "samples.safetensors",
         "vocab": "vocab.safetensors",
+        **({"conversations": "conversations.jsonl"} if result.conversations is not None else {}),
         "num_samples": len(result.offsets) - 1,
         "num_tokens": len(ids),
         "num_masked_tokens": int(mask.sum()),
         **manifest,
+        "reasoning_trained": {**manifest["reasoning_trained"],
+                              "chosen": "configured" if chosen is not None else "by default: tokenize.reasoning=null"},
         "target_vocab_size": target_vocab,
         "draft_vocab_size": draft_vocab,
         "draft_vocab_coverage": vocab.coverage(freq, t2d),
