@@ -50,7 +50,7 @@ def worker_module():
         raise SystemExit("speculators is not installed: install it (--no-deps) and apply "
                          "patches/speculators with python -m draftline.patchq apply")
     path = Path(spec.submodule_search_locations[0]) / "data_generation" / "custom_worker.py"
-    if "_ShardWriter" not in path.read_text():
+    if "ShardWriter" not in path.read_text():
         raise SystemExit(f"{path} lacks patches/speculators/0008: apply the queue first")
 
     def unused(*_):

@@ -186,15 +186,25 @@ def shard_metadata(fingerprint: str, aux_layer_ids: Sequence[int], hidden_size: 
 def first_non_finite(probe: torch.Tensor) -> tuple[int, int, float] | None:
     """(token, slot, value) of the first NaN/inf in token order, or None. ``probe`` is the
     stored scales [tokens, slots] of an fp8 shard, else its values [tokens, slots, H];
-    ``value`` is the scale, or the row's first bad value. The engine's rank 0 finds the same
-    one in its shard buffer (patches/speculators/0008)."""
-    bad = ~torch.isfinite(probe)
-    if not bool(bad.any()):
+    ``value`` is the scale, or the row's first bad value. Reduced per token first, so its
+    temporaries are a few values per token, not a flag per element (an all-NaN sample of a
+    long prompt would otherwise cost gigabytes before it is named). Rank 0's shard writer
+    (draftline.extract.capture) names the same one."""
+    if probe.shape[0] == 0:
         return None
-    token, slot = (int(i) for i in bad.nonzero()[0][:2])
-    value = float(probe[token, slot].max() if probe.dim() == 2 else
-                  probe[token, slot][bad[token, slot]][0])
-    return token, slot, value
+    low, high = torch.aminmax(probe.reshape(probe.shape[0], -1), dim=-1)  # [tokens]
+    bad_tokens = ~(torch.isfinite(low) & torch.isfinite(high))
+    if not bool(bad_tokens.any()):
+        return None
+    token = int(bad_tokens.nonzero()[0])
+    row = probe[token]  # [slots] or [slots, H]
+    if row.dim() == 1:
+        slot = int((~torch.isfinite(row)).nonzero()[0])
+        return token, slot, float(row[slot])
+    low, high = torch.aminmax(row, dim=-1)  # [slots]
+    slot = int((~(torch.isfinite(low) & torch.isfinite(high))).nonzero()[0])
+    values = row[slot]
+    return token, slot, float(values[int((~torch.isfinite(values)).nonzero()[0])])
 
 
 def non_finite_error(name: str, sample_ids: Sequence[int], offsets: Sequence[int], token: int,
@@ -270,7 +280,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     """Atomic write. The metadata goes in as one JSON string: safetensors keeps header
     metadata in a hash map whose order changes per process, and several keys would make
     identical shards differ byte-wise between runs."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, fsync=True) as tmp:  # a power loss leaves no truncated shard
         save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(metadata, sort_keys=True)})
 
 

@@ -203,13 +203,27 @@ def test_fp8_capture_is_the_quantized_float32_capture(llama, llama_fp8, capsys):
     assert max(worst) <= largest / 16, (worst, largest)  # half an e4m3 step at the row's amax
 
 
+def test_generate_refuses_offsets_that_do_not_match_its_prompts():
+    """Unchecked input 7: generate(offsets=) with another count of offsets than prompts used
+    to place what zip() kept; now it refuses before any request reaches the engine."""
+    import types
+
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    stand_in = types.SimpleNamespace(_check_lengths=lambda ids: None)  # no engine is reached
+    with pytest.raises(ValueError, match="2 offsets for 1 prompts"):
+        VllmHiddenStatesGenerator.generate(stand_in, [[1, 2, 3]], offsets=[0, 3])
+
+
 def test_worker_and_formats_quantize_to_the_same_bytes():
-    """The worker's quantizer (patches/0006) and draftline.formats' are one formula: the same
-    bytes on rows of every kind, across the row-chunk boundary, with non-finite rows marked
-    by a non-finite scale."""
+    """The worker quantizes with draftline.formats' quantize_fp8 (one formula since issue 44):
+    its bytes on rows of every kind, across the row-chunk boundary, with non-finite rows
+    marked by a non-finite scale."""
     from speculators.data_generation import custom_worker
 
     from draftline import formats
+
+    assert custom_worker._quantize_fp8 is formats.quantize_fp8
 
     generator = torch.Generator().manual_seed(3)
     rows = torch.randn(formats.QUANTIZE_ROWS + 5, 3, 96, generator=generator)

@@ -29,7 +29,7 @@ def make_generator(cfg: DictConfig):
     if cfg.extract.writer == preflight.RANK0:
         try:
             generator.open_shard_writer(preflight.buffer_tokens(cfg), writer.WRITER,
-                                        preflight.NUM_BUFFERS)
+                                        preflight.NUM_BUFFERS, preflight.writer_timeout(cfg))
         except BaseException:
             generator.shutdown()
             raise

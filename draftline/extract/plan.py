@@ -20,7 +20,7 @@ TARGET_DIGEST_CACHE = ".target-sha256.json"
 # or that only check the run: they change no byte of a shard.
 NOT_IN_SHARD_BYTES = {"model": ("name", "path", "build", "train", "trust_remote_code",
                                  "enforce_eager"),  # extraction always runs eager
-                      "extract": ("disk_headroom", "rank_timeout_s")}
+                      "extract": ("disk_headroom", "rank_timeout_s", "writer_timeout_s")}
 
 
 def shard_fingerprint(cfg: DictConfig, samples_path: Path) -> str:

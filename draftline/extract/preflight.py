@@ -55,23 +55,49 @@ def check_devices(tensor_parallel_size: int, replicas: int = 1) -> None:
             raise ValueError(f"{what}TP {tensor_parallel_size} > CPU cores")
 
 
+def writer_timeout(cfg: DictConfig) -> float | None:
+    """``extract.writer_timeout_s``: a positive number of seconds, or None (no bound)."""
+    value = cfg.extract.get("writer_timeout_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"extract.writer_timeout_s must be a positive number of seconds or null, got {value!r}")
+    return float(value)
+
+
 def buffer_tokens(cfg: DictConfig) -> int:
     """Rows of one shard buffer: a shard closes at the first sample that brings it to
     extract.shard_tokens, and no sample reaches extract.max_model_len."""
     return int(cfg.extract.shard_tokens) + int(cfg.extract.max_model_len)
 
 
-def buffer_bytes(cfg: DictConfig, hidden_size: int) -> int:
-    """Host memory of one engine's shard buffers (pinned on CUDA)."""
-    per_token = (len(cfg.model.aux_layer_ids) + 1) * formats.stored_bytes_per_slot(
-        str(cfg.extract.save_dtype), hidden_size)
-    return NUM_BUFFERS * buffer_tokens(cfg) * per_token
+def pinned_size(nbytes: int) -> int:
+    """What torch's pinned host allocator takes for ``nbytes``: it rounds every block up to a
+    power of two (a 1.21 GB fp8 buffer of llama-3.1-8b takes 2.15 GB)."""
+    return 1 << (int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+def buffer_bytes(cfg: DictConfig, hidden_size: int, pinned: bool = False) -> int:
+    """Host memory of one engine's shard buffers: per buffer, the values [tokens, slots,
+    hidden] and, for fp8, the scales [tokens, slots]; ``pinned`` (on CUDA) as the pinned
+    allocator rounds each of them."""
+    save_dtype = str(cfg.extract.save_dtype)
+    rows = buffer_tokens(cfg) * (len(cfg.model.aux_layer_ids) + 1)
+    tensors = [rows * hidden_size * formats.SAVE_DTYPES[save_dtype].itemsize]
+    if formats.is_quantized(save_dtype):
+        tensors.append(rows * formats.SCALE_DTYPE.itemsize)
+    return NUM_BUFFERS * sum(pinned_size(n) if pinned else n for n in tensors)
 
 
 def check_host_memory(cfg: DictConfig, hidden_size: int, replicas: int,
-                      meminfo: Path = Path("/proc/meminfo")) -> int:
-    """Refuse a start whose shard buffers (every engine's) do not fit in available RAM."""
-    need = replicas * buffer_bytes(cfg, hidden_size)
+                      meminfo: Path = Path("/proc/meminfo"), pinned: bool | None = None) -> int:
+    """Refuse a start whose shard buffers (every engine's) do not fit in available RAM;
+    ``pinned``: whether they are pinned (None: whether torch sees a GPU)."""
+    if pinned is None:
+        import torch
+
+        pinned = torch.cuda.is_available()
+    need = replicas * buffer_bytes(cfg, hidden_size, pinned)
     available = available_memory(meminfo)
     if available is not None and need > available:
         engines = f"{replicas} engines x " if replicas > 1 else ""
@@ -79,8 +105,9 @@ def check_host_memory(cfg: DictConfig, hidden_size: int, replicas: int,
             f"extract's shard buffers need {need / 2**30:.1f} GiB of host memory ({engines}"
             f"{NUM_BUFFERS} buffers of extract.shard_tokens={cfg.extract.shard_tokens} + "
             f"extract.max_model_len={cfg.extract.max_model_len} tokens, "
-            f"{str(cfg.extract.save_dtype)}), {available / 2**30:.1f} GiB is available: "
-            "lower extract.shard_tokens (smaller shards, same bytes per token)")
+            f"{str(cfg.extract.save_dtype)}{', pinned: each rounded up to a power of two' if pinned else ''}), "
+            f"{available / 2**30:.1f} GiB is available: lower extract.shard_tokens (smaller shards, "
+            "same bytes per token)")
     return need
 
 

