@@ -57,6 +57,21 @@ def test_cuda_is_asked_only_through_nvml_from_every_entry_point(entry):
     assert all(value == "1" for _, value in seen), seen
 
 
+def test_the_extract_preflight_asks_cuda_only_through_nvml_whoever_imports_it():
+    """draftline issue 44, item 8: the gpu tier's `extract` probe imports the preflight
+    without the stage boundary (stages/__init__.py), so its own CUDA questions must be
+    fork-safe; they once asked torch directly, which poisons the fork of vLLM's workers."""
+    probe = SPY.replace("module = importlib.import_module(sys.argv[1])", "module = None").replace(
+        'if sys.argv[1] == "stages.extract":', "if True:")
+    probe = probe.replace("    run.replica_environments(1, 1)\n", "    preflight.check_host_memory("
+                          "__import__('draftline.pipeline.config', fromlist=['compose']).compose([]), 64, 1)\n")
+    result = subprocess.run([sys.executable, "-c", probe, "-"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"is_available", "device_count"} & {name for name, _ in seen}, seen
+    assert all(value == "1" for name, value in seen if name != "imported"), seen
+
+
 GPU_PROBE = """
 import os, sys
 if sys.argv[1] == "fixed":

@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from draftline import formats, target
+from draftline.pipeline.cuda import fork_safe_cuda_checks
 
 NUM_BUFFERS = 2  # rank 0's shard buffers: one fills while the writer thread writes the other
 
@@ -41,6 +42,9 @@ def preflight(cfg: DictConfig, lengths: list[int], replicas: int | None = 1) -> 
 
 
 def check_devices(tensor_parallel_size: int, replicas: int = 1) -> None:
+    # Asked through NVML whoever imported this (not only after stages/__init__.py): a plain
+    # torch.cuda query poisons fork, and vLLM forks its workers after this check.
+    fork_safe_cuda_checks()
     import torch
 
     if replicas < 1:
@@ -94,6 +98,7 @@ def check_host_memory(cfg: DictConfig, hidden_size: int, replicas: int,
     """Refuse a start whose shard buffers (every engine's) do not fit in available RAM;
     ``pinned``: whether they are pinned (None: whether torch sees a GPU)."""
     if pinned is None:
+        fork_safe_cuda_checks()
         import torch
 
         pinned = torch.cuda.is_available()
