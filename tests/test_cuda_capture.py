@@ -115,3 +115,40 @@ def test_shard_writer_on_cuda_never_writes_nan(storage, tmp_path):
     found = formats.non_finite_error(str(tmp_path / "driver.safetensors"), range(4),
                                      [0, 100, 612, 812, 862], token, slot, value)
     assert str(found) == str(driver.value)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_buffers_rotate_on_cuda_with_more_shards_than_buffers(storage, tmp_path):
+    """draftline issue 44: five shards through two pinned buffers (each begin waits for that
+    buffer's last write), each shard filled in two steps on the copy stream; every file holds
+    exactly the rows its steps handed over (the same tensors written directly), and a request
+    restarted after a NaN leaves its recomputed shard written."""
+    from draftline import formats
+    from draftline.extract import capture
+
+    require_cuda()
+    writer = capture.ShardWriter(512, SLOTS, HIDDEN, storage, torch.device("cuda"), formats.write_shard, 2)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    expected = {}
+    for index in range(5):
+        rows = torch.randn(300, SLOTS, HIDDEN, generator=generator, device="cuda").bfloat16() * 8
+        parts = formats.quantize_fp8(rows) if formats.is_quantized(storage) else (rows,)
+        tensors = formats.shard_rows([0], {0: list(range(300))}, {0: [1] * 300})
+        path = tmp_path / f"shard-{index:05d}.safetensors"
+        writer.begin({"path": str(path), "num_tokens": 300, "tensors": tensors, "metadata": {},
+                      "values_key": formats.HIDDEN_STATES, "scales_key": formats.HIDDEN_SCALES})
+        writer.place({"r": (0, 300)})
+        if index == 3:  # a first attempt with a NaN, then vLLM's restart from position 0
+            poisoned = tuple(p[:100].clone() for p in parts)
+            poisoned[-1][7].fill_(float("nan"))
+            writer.copy_step(["r"], [100], torch.arange(100), poisoned)
+        writer.copy_step(["r"], [200], torch.arange(200), tuple(p[:200] for p in parts))
+        writer.copy_step(["r"], [100], torch.arange(200, 300), tuple(p[200:] for p in parts))
+        assert writer.finish()["non_finite"] is None
+        reference = tmp_path / f"reference-{index}.safetensors"
+        formats.write_shard(reference, {**tensors, formats.HIDDEN_STATES: parts[0].cpu(),
+                                        **({formats.HIDDEN_SCALES: parts[1].cpu()} if len(parts) > 1 else {})}, {})
+        expected[path] = hashlib.sha256(reference.read_bytes()).hexdigest()
+    writer.flush()
+    got = {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in expected}
+    assert got == expected
