@@ -16,6 +16,7 @@ turns off; ``serving_differences`` names them and why, for serve/command.json an
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from draftline.pipeline.cuda import fork_safe_cuda_checks
 
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU platform: cores per TP rank, "0,1|2,3"
 KVCACHE = "VLLM_CPU_KVCACHE_SPACE"           # vLLM CPU platform: KV cache (GiB)
-EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"  # multiproc executor: one step's answer (s)
+EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+PARALLEL_MASK_TOKEN = "ptd_token_id"  # draftline.train.parallel.MASK_TOKEN (engine sits below train)  # multiproc executor: one step's answer (s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +127,14 @@ def _positive_or_none(value) -> float | None:
 
 
 def speculative_config(draft: str | Path, k: int) -> dict:
-    """vLLM's speculative_config for an EAGLE-3 draft in speculators format."""
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
+    """vLLM's speculative_config for an EAGLE-3 draft in speculators format; a draft trained
+    to draft in parallel (its layer config names the mask token, draftline.train.parallel)
+    gets ``parallel_drafting``, which vLLM reads from here only."""
+    config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
+    saved = Path(draft) / "config.json"
+    if saved.is_file() and PARALLEL_MASK_TOKEN in json.loads(saved.read_text()).get("transformer_layer_config", {}):
+        config["parallel_drafting"] = True
+    return config
 
 
 def llm_kwargs(options: EngineOptions, draft: str | Path | None = None, k: int | None = None,

@@ -33,7 +33,10 @@ def load_draft(draft_dir: str | Path, target_dir: str | Path):
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.speculators_config.verifier.name_or_path = str(Path(target_dir).absolute())
     tensors = load_file(str(draft_dir / "model.safetensors"))
-    model = Eagle3DraftModel(config, t2d=tensors["t2d"].bool(), d2t=tensors["d2t"].long())
+    kind = Eagle3DraftModel
+    if "mask_hidden" in tensors:  # a parallel draft (draftline.train.parallel)
+        from draftline.train.parallel import ParallelDraft as kind
+    model = kind(config, t2d=tensors["t2d"].bool(), d2t=tensors["d2t"].long())
     state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if not (not unexpected):
@@ -93,6 +96,9 @@ class DraftRunner:
         self.kv_heads = attn.config.num_key_value_heads
         self.norm_before_residual = bool(model.config.norm_before_residual)
         self.d2t = model.d2t  # [draft_vocab]
+        # A parallel draft's later slots read the mask token and fc(mask_hidden), not the
+        # previous slot's token and output (vLLM's parallel_drafting; draftline.train.parallel).
+        self.parallel = hasattr(model, "mask_hidden")
 
     def new_cache(self) -> DraftCache:
         empty = torch.empty(0, self.kv_heads, self.head_dim)
@@ -187,15 +193,22 @@ class DraftRunner:
                cache: DraftCache, k: int) -> torch.Tensor:
         """Roll out k proposals per start: hidden/first = prefill rows of the starts ([S, H], [S]).
 
-        Step j reads its previous step's pre-norm output and token at position start + j - 1,
-        sees cache rows <= start and its own chain; returns target ids [S, k].
+        Step j reads its previous step's pre-norm output and token at position start + j - 1
+        (a parallel draft: the mask token and fc(mask_hidden) instead), sees cache rows
+        <= start and its own chain; returns target ids [S, k].
         """
         proposals = [first]
         S = len(starts)
         own = [(cache.keys[i].new_empty(S, 0, self.kv_heads, self.head_dim),) * 2
                for i in range(len(self.layers))]
+        if self.parallel:
+            mask_embeds = self.model.embed_tokens(torch.full_like(first, self.model.mask_token_id))
+            mask_hidden = self.model.mask_features(torch.float32).expand(S, -1)
         for j in range(1, k):
-            embeds = self.model.embed_tokens(proposals[-1])
+            if self.parallel:
+                embeds, hidden = mask_embeds, mask_hidden
+            else:
+                embeds = self.model.embed_tokens(proposals[-1])
             hidden, new_kv = self._forward(hidden, embeds, starts + j, cache, starts + 1, own,
                                            store=False)
             own = [(torch.cat([o[0], kv[0][:, None]], 1), torch.cat([o[1], kv[1][:, None]], 1))

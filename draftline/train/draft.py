@@ -204,7 +204,7 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
                 t2d: torch.Tensor, num_layers: int = 1, *, intermediate_size: int | None = None,
                 head_dim: int | None = None, num_speculative_tokens: int = 3,
                 norm_before_residual: bool = False,
-                rope_scaling: dict | None = None) -> Eagle3DraftModel:
+                rope_scaling: dict | None = None, parallel: bool = False) -> Eagle3DraftModel:
     """A fresh float32 draft (CPU) for ``verifier_dir`` with the verifier's embeddings/head.
 
     ``eagle_aux_hidden_state_layer_ids`` is set explicitly: it is the top-level key vLLM 0.16
@@ -212,15 +212,20 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
     The verifier's real ``architectures`` go into ``speculators_config.verifier``, with its
     path as given (the run's ``model.path``), not made absolute: the saved config.json then
     holds no path of the machine that trained it (evaluate and serve name the target anyway).
+    ``parallel``: a parallel-drafting draft (draftline.train.parallel).
     """
     info = read_verifier(verifier_dir)
     if len(aux_layer_ids) != NUM_AUX_LAYERS:
         raise ValueError(f"EAGLE-3 drafts take {NUM_AUX_LAYERS} aux layers, got {aux_layer_ids}")
     check_layer_ids(list(aux_layer_ids), read_target_shape(info.path))
     verifier = VerifierConfig(name_or_path=str(verifier_dir), architectures=info.architectures)
+    layer_config = draft_layer_config(info.text, num_layers, intermediate_size, head_dim, rope_scaling)
+    if parallel:  # draftline.train.parallel: the mask token where vLLM reads the layer config
+        from draftline.train import parallel as parallel_drafting
+
+        setattr(layer_config, parallel_drafting.MASK_TOKEN, parallel_drafting.mask_token(info.text))
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=draft_layer_config(
-            info.text, num_layers, intermediate_size, head_dim, rope_scaling),
+        transformer_layer_config=layer_config,
         draft_vocab_size=int(d2t.numel()),
         norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
@@ -231,6 +236,9 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
             verifier=verifier,
         ),
     )
+    if parallel:
+        return parallel_drafting.ParallelDraft(config, t2d=t2d.to(torch.bool).clone(),
+                                               d2t=d2t.to(torch.long).clone())
     return Eagle3DraftModel(config, t2d=t2d.to(torch.bool).clone(), d2t=d2t.to(torch.long).clone())
 
 

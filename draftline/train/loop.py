@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -81,18 +82,23 @@ from draftline.train.draft import (
 
 __all__ = ["train", "latest_checkpoint", "Session", "make_session"]
 
+METHODS = ("eagle3", "parallel")  # train.method: sequential EAGLE-3, or parallel drafting (draftline.train.parallel)
+DRAFT_ARCHITECTURE = "Eagle3DraftModel"  # the class name speculators' format records
+
 log = logging.getLogger(__name__)
 GRAD_CLIP = 1.0  # speculators' Trainer
 
 
 def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: torch.Tensor,
                  t2d: torch.Tensor, num_layers: int, ttt_steps: int,
-                 seed: int) -> Eagle3DraftModel:
+                 seed: int, method: str = "eagle3") -> Eagle3DraftModel:
     # Seeded init without disturbing the caller's RNG; CPU init makes it device-independent.
+    if method not in METHODS:
+        raise ValueError(f"train.method={method!r}: one of {', '.join(METHODS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers,
-                           num_speculative_tokens=ttt_steps)
+                           num_speculative_tokens=ttt_steps, parallel=method == "parallel")
 
 
 def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int, world: World) -> StepPlanner:
@@ -377,6 +383,10 @@ def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path
     path = out_dir / "draft"
     with atomic_dir(path) as tmp:
         model.save_pretrained(str(tmp))
+        config = json.loads((tmp / "config.json").read_text())
+        if config.get("architectures") != [DRAFT_ARCHITECTURE]:  # a parallel draft's class
+            config["architectures"] = [DRAFT_ARCHITECTURE]  # what speculators and vLLM read
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -402,7 +412,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
           prefetch_batches: int | None = None, stop_after: int | None = None,
           compile: bool | None = None, attention: str = "auto", precision: str = "auto",
           save_dtype: str = "bfloat16", check_vllm: bool | None = None,
-          fused_optimizer: bool | None = None, world: World = World()) -> dict:
+          fused_optimizer: bool | None = None, world: World = World(), method: str = "eagle3") -> dict:
     """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
 
     ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
@@ -413,6 +423,8 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
     (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
     installed.  ``fused_optimizer``: torch's fused AdamW (None: where the device has it).
+    ``method``: ``eagle3`` or ``parallel`` (k tokens from one forward, as vLLM's
+    ``parallel_drafting`` proposer drafts; draftline.train.parallel).
     ``world``: this process's rank among torchrun's (the process group is set
     up by the caller; ``device`` is this rank's); only rank 0 writes.  Returns
     ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
@@ -426,7 +438,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
     out = Path(out_dir)
     numerics = resolve_precision(precision, device)
     d2t, t2d = load_vocab_mapping(vocab_mapping)
-    model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed)
+    model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed, method)
     train_set = ShardSampleDataset(shards, load_split(split_index, TRAIN))
     tokens_per_rank = rank_tokens(max_tokens_per_step, world)
     sampler = _sampler(train_set.lengths, tokens_per_rank, seed, world)
@@ -436,7 +448,7 @@ def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: 
                      total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
                      ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
                      max_tokens_per_step=max_tokens_per_step, precision=numerics.name,
-                     packing=PACKING)
+                     packing=PACKING, **({} if method == "eagle3" else {"method": method}))
     session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
                            ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
                            precision=numerics.name, compile=compile, attention=attention,

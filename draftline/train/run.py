@@ -72,7 +72,7 @@ def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
             loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
             prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
             fused_optimizer=auto_or(cfg.train.get("fused_optimizer", "auto"), bool),
-            world=world,
+            world=world, method=str(cfg.train.method),
         )
     finally:
         launch.destroy_process_group()
