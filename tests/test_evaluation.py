@@ -592,6 +592,46 @@ def test_serving_rollout_matches_speculators_ttt_forward(pair):
     assert torch.equal(ours, theirs)
 
 
+def test_a_parallel_drafts_rollout_matches_its_training_forward(pair, tmp_path):
+    """draftline issue 45: a parallel draft's training forward (mask token and fc(mask_hidden)
+    at depths >= 1) proposes at every anchor what the serving-style rollout drafts the way
+    vLLM's parallel_drafting lays it out; its save loads back as a parallel draft, and the
+    engine's speculative config turns parallel drafting on for it."""
+    from draftline import engine
+    from draftline.tokenize import vocab
+    from draftline.train.draft import build_draft, set_attention
+    from draftline.train.loop import _save_draft
+
+    target_dir, sequential = pair
+    freq = torch.randint(0, 100, (512,), generator=torch.Generator().manual_seed(0))
+    d2t, t2d = vocab.draft_vocab_mapping(freq, 128)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        draft = build_draft(target_dir, [1, 2, 3], d2t, t2d, num_speculative_tokens=3, parallel=True)
+    draft_dir = _save_draft(draft, tmp_path, "float32")
+    assert json.loads((draft_dir / "config.json").read_text())["architectures"] == ["Eagle3DraftModel"]
+    assert engine.speculative_config(draft_dir, 3)["parallel_drafting"] is True
+    assert "parallel_drafting" not in engine.speculative_config(sequential, 3)
+    model = rollout.load_draft(draft_dir, target_dir)
+    runner = rollout.DraftRunner(model)
+    assert runner.parallel and not rollout.DraftRunner(rollout.load_draft(sequential, target_dir)).parallel
+    set_attention(model, "sdpa")
+    g = torch.Generator().manual_seed(2)
+    T = 40
+    s = offline.Sample(torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
+                  torch.randn(T, 3 * 64, generator=g), torch.zeros(T, dtype=torch.long))
+    starts = torch.arange(T - 1)
+    ours = rollout.Eagle3Draft(runner).propose(s, starts, 3)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        drafted = model(hidden_states=s.aux[None, :-1], input_ids=s.input_ids[None, 1:],
+                        position_ids=torch.arange(T - 1)[None], ttt_steps=3)
+    theirs = torch.stack([d[0] + model.d2t[d[0]] for d in drafted], -1)
+    assert torch.equal(ours, theirs)
+    # the sequential rollout of the same weights drafts otherwise from depth 1 on
+    runner.parallel = False
+    assert not torch.equal(rollout.Eagle3Draft(runner).propose(s, starts, 3)[:, 1:], theirs[:, 1:])
+
+
 @torch.no_grad()
 def hf_states(target, tokens: torch.Tensor) -> tuple:
     """transformers' hidden_states for ``tokens`` (entry i = input of layer i, the last one
