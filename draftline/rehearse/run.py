@@ -23,7 +23,8 @@ log = logging.getLogger("draftline.rehearse")
 
 
 def build_draft(cfg: DictConfig, mini_cfg: DictConfig, out_dir: Path) -> tuple[str, int]:
-    """A random draft for the miniature, built as train builds its drafts (tokenize's vocab)."""
+    """A random draft for the miniature, built as train builds its drafts (tokenize's vocab;
+    ``train.method=parallel``: a parallel one, which vLLM then drafts with parallel_drafting)."""
     import torch
 
     from draftline.train.draft import build_draft as build
@@ -34,7 +35,8 @@ def build_draft(cfg: DictConfig, mini_cfg: DictConfig, out_dir: Path) -> tuple[s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.seed))
         draft = build(mini_cfg.model.path, list(mini_cfg.model.aux_layer_ids), d2t, t2d,
-                      int(cfg.train.num_layers), num_speculative_tokens=k)
+                      int(cfg.train.num_layers), num_speculative_tokens=k,
+                      parallel=str(cfg.train.method) == "parallel")  # vLLM drafts as the run will train
     with artifacts.atomic_dir(out_dir) as tmp:
         draft.save_pretrained(str(tmp))
     return str(out_dir.absolute()), k
