@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -83,7 +82,6 @@ from draftline.train.draft import (
 __all__ = ["train", "latest_checkpoint", "Session", "make_session"]
 
 METHODS = ("eagle3", "parallel")  # train.method: sequential EAGLE-3, or parallel drafting (draftline.train.parallel)
-DRAFT_ARCHITECTURE = "Eagle3DraftModel"  # the class name speculators' format records
 
 log = logging.getLogger(__name__)
 GRAD_CLIP = 1.0  # speculators' Trainer
@@ -383,10 +381,6 @@ def _save_draft(model: Eagle3DraftModel, out_dir: Path, save_dtype: str) -> Path
     path = out_dir / "draft"
     with atomic_dir(path) as tmp:
         model.save_pretrained(str(tmp))
-        config = json.loads((tmp / "config.json").read_text())
-        if config.get("architectures") != [DRAFT_ARCHITECTURE]:  # a parallel draft's class
-            config["architectures"] = [DRAFT_ARCHITECTURE]  # what speculators and vLLM read
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -55,9 +55,8 @@ def is_parallel(draft_dir: str | Path) -> bool:
 
 class ParallelDraft(Eagle3DraftModel):
     """``Eagle3DraftModel`` plus ``mask_hidden`` [3H], trained as vLLM's proposer drafts in
-    parallel (the module doc). Saved as speculators' format with ``mask_hidden`` beside the
-    other tensors; the class name is written back to ``Eagle3DraftModel`` on save
-    (draftline.train.loop)."""
+    parallel (the module doc). Saved in speculators' format with ``mask_hidden`` beside the
+    other tensors, under the architecture name speculators' own drafts have."""
 
     def __init__(self, config, t2d: torch.Tensor, d2t: torch.Tensor):
         super().__init__(config, t2d=t2d, d2t=d2t)
@@ -66,6 +65,16 @@ class ParallelDraft(Eagle3DraftModel):
             raise ValueError(f"a parallel draft needs {MASK_TOKEN} in its transformer_layer_config")
         self.mask_token_id = int(getattr(layer, MASK_TOKEN))
         self.mask_hidden = torch.nn.Parameter(torch.randn(3 * self.hidden_size) * layer.initializer_range)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """speculators' save; config.json's ``architectures`` says ``Eagle3DraftModel`` (what
+        transformers writes is this class's name), as every EAGLE-3 draft of the format."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        path = Path(save_directory) / "config.json"
+        config = json.loads(path.read_text())
+        config["architectures"] = [Eagle3DraftModel.__name__]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return result
 
     def mask_features(self, dtype: torch.dtype) -> torch.Tensor:
         """``fc(mask_hidden)`` [H]: what every masked slot reads beside the mask token."""
