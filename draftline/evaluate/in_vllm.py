@@ -114,6 +114,8 @@ def vllm_name(name: str) -> tuple[str, str]:
     """
     if "t2d" in name:
         return "", "ignored"
+    if name == "mask_hidden":  # a parallel draft's: a buffer of the model itself, [1, 3H]
+        return name, "direct"
     if "d2t" in name:
         return name.replace("d2t", "draft_id_to_target_id"), "direct"
     if "lm_head" not in name:
@@ -166,9 +168,11 @@ def _vllm_load_in_process(draft_dir: str, target_dir: str, k: int, trust_remote_
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
+    from draftline import engine as engines
+
     parsed = vllm_parse.read_with_vllm(draft_dir)
-    engine = EngineArgs(model=target_dir, speculative_config={"model": draft_dir, "method": "eagle3",
-                                                           "num_speculative_tokens": k},
+    # the speculative config evaluate and serve run: parallel_drafting for a parallel draft
+    engine = EngineArgs(model=target_dir, speculative_config=engines.speculative_config(draft_dir, k),
                         trust_remote_code=trust_remote_code, enforce_eager=True)
     vllm_config = engine.create_engine_config()
     with tempfile.TemporaryDirectory() as rendezvous:
@@ -179,6 +183,8 @@ def _vllm_load_in_process(draft_dir: str, target_dir: str, k: int, trust_remote_
             model = get_model(vllm_config=vllm_config,
                               model_config=vllm_config.speculative_config.draft_model_config)
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    if getattr(model, "use_parallel_drafting", False):  # loaded into a buffer, not a parameter
+        params["mask_hidden"] = model.mask_hidden.detach().cpu().view(-1)
     saved = load_file(str(Path(draft_dir) / "model.safetensors"))
     # vLLM casts to its model dtype when loading; compare in that dtype.
     saved = {k: v.to(params[vllm_name(k)[0]].dtype) if vllm_name(k)[0] in params else v
