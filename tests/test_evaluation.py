@@ -573,23 +573,30 @@ def pair(tmp_path_factory):
 
 def test_serving_rollout_matches_speculators_ttt_forward(pair):
     """The serving-style rollout proposes exactly what speculators' training forward drafts."""
-    from draftline.train.draft import set_attention
 
     target_dir, draft_dir = pair
     model = rollout.load_draft(draft_dir, target_dir)
     runner = rollout.DraftRunner(model)
+    ours, theirs, _ = rollout_and_forward(model, runner, seed=1, length=48)
+    assert torch.equal(ours, theirs)
+
+
+def rollout_and_forward(model, runner, seed: int, length: int):
+    """Proposals at every start of a random sample: the serving-style rollout's and the
+    training forward's ([starts, 3] target ids each), and the sample and its starts."""
+    from draftline.train.draft import set_attention
+
     set_attention(model, "sdpa")
-    g = torch.Generator().manual_seed(1)
-    T = 48
-    s = offline.Sample(torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
-                  torch.randn(T, 3 * 64, generator=g), torch.zeros(T, dtype=torch.long))
-    starts = torch.arange(T - 1)
-    ours = rollout.Eagle3Draft(runner).propose(s, starts, 3)  # [T-1, 3] target ids
+    g = torch.Generator().manual_seed(seed)
+    s = offline.Sample(torch.randint(0, 512, (length,), generator=g), torch.ones(length, dtype=torch.bool),
+                       torch.randn(length, 3 * 64, generator=g), torch.zeros(length, dtype=torch.long))
+    starts = torch.arange(length - 1)
+    ours = rollout.Eagle3Draft(runner).propose(s, starts, 3)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         drafted = model(hidden_states=s.aux[None, :-1], input_ids=s.input_ids[None, 1:],
-                        position_ids=torch.arange(T - 1)[None], ttt_steps=3)
+                        position_ids=torch.arange(length - 1)[None], ttt_steps=3)
     theirs = torch.stack([d[0] + model.d2t[d[0]] for d in drafted], -1)
-    assert torch.equal(ours, theirs)
+    return ours, theirs, (s, starts)
 
 
 def test_a_parallel_drafts_rollout_matches_its_training_forward(pair, tmp_path):
@@ -599,7 +606,7 @@ def test_a_parallel_drafts_rollout_matches_its_training_forward(pair, tmp_path):
     engine's speculative config turns parallel drafting on for it."""
     from draftline import engine
     from draftline.tokenize import vocab
-    from draftline.train.draft import build_draft, set_attention
+    from draftline.train.draft import build_draft
     from draftline.train.loop import _save_draft
 
     target_dir, sequential = pair
@@ -615,17 +622,7 @@ def test_a_parallel_drafts_rollout_matches_its_training_forward(pair, tmp_path):
     model = rollout.load_draft(draft_dir, target_dir)
     runner = rollout.DraftRunner(model)
     assert runner.parallel and not rollout.DraftRunner(rollout.load_draft(sequential, target_dir)).parallel
-    set_attention(model, "sdpa")
-    g = torch.Generator().manual_seed(2)
-    T = 40
-    s = offline.Sample(torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
-                  torch.randn(T, 3 * 64, generator=g), torch.zeros(T, dtype=torch.long))
-    starts = torch.arange(T - 1)
-    ours = rollout.Eagle3Draft(runner).propose(s, starts, 3)
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        drafted = model(hidden_states=s.aux[None, :-1], input_ids=s.input_ids[None, 1:],
-                        position_ids=torch.arange(T - 1)[None], ttt_steps=3)
-    theirs = torch.stack([d[0] + model.d2t[d[0]] for d in drafted], -1)
+    ours, theirs, (s, starts) = rollout_and_forward(model, runner, seed=2, length=40)
     assert torch.equal(ours, theirs)
     # the sequential rollout of the same weights drafts otherwise from depth 1 on
     runner.parallel = False

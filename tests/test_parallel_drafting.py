@@ -7,7 +7,6 @@ plain engine; the torch layout of the drafting inputs matches the kernel's regio
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -40,7 +39,8 @@ def parallel_draft(target_dir, out_dir, mask_token: int) -> None:
 
 
 @pytest.mark.vllm
-def test_a_parallel_draft_decodes_greedy_equal_to_the_plain_engine(tmp_path):
+@pytest.mark.long  # about 17 s on 2 cores: two vLLM engines
+def test_a_parallel_draft_decodes_greedy_equal_to_the_plain_engine(tmp_path, monkeypatch):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -54,30 +54,23 @@ def test_a_parallel_draft_decodes_greedy_equal_to_the_plain_engine(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     options = EngineOptions(target=str(target), dtype="float32", max_model_len=256, max_num_seqs=4,
                             gpu_memory_utilization=0.5, enforce_eager=True)
-    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     outputs = {}
-    try:
-        for name, draft in (("plain", None), ("parallel", tmp_path / "draft")):
-            kwargs = llm_kwargs(options, draft, K if draft else None)
-            if draft is not None:
-                kwargs["speculative_config"]["parallel_drafting"] = True
-            llm = LLM(**kwargs)
-            try:
-                got = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-                outputs[name] = [list(o.outputs[0].token_ids) for o in got]
-                if draft is not None:  # it drafted K tokens a step
-                    counters = SpecCounters.read(llm.llm_engine, K)
-            finally:
-                engine = getattr(llm, "llm_engine", None)
-                if engine is not None and hasattr(engine, "engine_core"):
-                    engine.engine_core.shutdown()
-                del llm
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+    for name, draft in (("plain", None), ("parallel", tmp_path / "draft")):
+        kwargs = llm_kwargs(options, draft, K if draft else None)
+        if draft is not None:
+            kwargs["speculative_config"]["parallel_drafting"] = True
+        llm = LLM(**kwargs)
+        try:
+            got = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outputs[name] = [list(o.outputs[0].token_ids) for o in got]
+            if draft is not None:  # it drafted K tokens a step
+                counters = SpecCounters.read(llm.llm_engine, K)
+        finally:
+            engine = getattr(llm, "llm_engine", None)
+            if engine is not None and hasattr(engine, "engine_core"):
+                engine.engine_core.shutdown()
+            del llm
     assert outputs["parallel"] == outputs["plain"]
     assert counters.drafts > 0 and counters.draft_tokens == K * counters.drafts, counters
     print(f"parallel drafting on the CPU engine: {counters.drafts} drafts of {K}, "

@@ -177,13 +177,12 @@ def test_a_prompt_with_no_room_is_counted_not_generated(families):
 
 
 @pytest.mark.vllm
-def test_the_vllm_engine_regenerates_each_reply_after_the_servers_prompt(tmp_path):
+@pytest.mark.long  # about 20 s on 2 cores: two vLLM engines
+def test_the_vllm_engine_regenerates_each_reply_after_the_servers_prompt(tmp_path, monkeypatch):
     """A random Llama with the Kimi thinking template on the real vLLM CPU engine: every
     trained reply is the engine's greedy continuation of the prompt rendered from the history
     regenerated before it.  A random target never writes its end of turn, so a token of its own
     first reply stands in as the stop token, and conversations go on past their first reply."""
-    import os
-
     from transformers import AutoTokenizer
 
     from draftline.engine import EngineOptions
@@ -196,29 +195,22 @@ def test_the_vllm_engine_regenerates_each_reply_after_the_servers_prompt(tmp_pat
         {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "B."}]}
         for i, question in enumerate(("What is `abc`?", "Explain `json.dumps`."))]
     first = tok.apply_chat_template(records[0]["messages"][:1], add_generation_prompt=True)
-    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    options = EngineOptions(target=str(model_dir), dtype="float32", max_model_len=512,
+                            max_num_seqs=4, gpu_memory_utilization=0.5)
+    probe = greedy.VllmReplies(options, [tok.eos_token_id], max_num_batched_tokens=256)
     try:
-        options = EngineOptions(target=str(model_dir), dtype="float32", max_model_len=512,
-                                max_num_seqs=4, gpu_memory_utilization=0.5)
-        probe = greedy.VllmReplies(options, [tok.eos_token_id], max_num_batched_tokens=256)
-        try:
-            stop = probe([first], [12])[0][0][4]
-        finally:
-            probe.shutdown()
-        engine = greedy.VllmReplies(options, [stop], max_num_batched_tokens=256)
-        try:
-            split = turns.ReplySplitter(tok, "kimi_k2", [stop], None)
-            ids, masks, conversations, stats, _ = turns.regenerate(records, tok, engine, split, 400, 12)
-            trained = pairs(ids, masks)
-            again = engine([list(p) for p, _ in trained], [12] * len(trained))
-        finally:
-            engine.shutdown()
+        stop = probe([first], [12])[0][0][4]
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+        probe.shutdown()
+    engine = greedy.VllmReplies(options, [stop], max_num_batched_tokens=256)
+    try:
+        split = turns.ReplySplitter(tok, "kimi_k2", [stop], None)
+        ids, masks, conversations, stats, _ = turns.regenerate(records, tok, engine, split, 400, 12)
+        trained = pairs(ids, masks)
+        again = engine([list(p) for p, _ in trained], [12] * len(trained))
+    finally:
+        engine.shutdown()
     assert stats.stopped >= 1 and any(
         sum(m["role"] == "assistant" for m in c["messages"]) == 2 for c in conversations), stats
     assert [tuple(reply) for reply, _ in again] == [reply for _, reply in trained]

@@ -250,6 +250,8 @@ class ShardWriter:
             except ShardWriteError as error:
                 errors.append(error)
         if errors:
+            for other in errors[1:]:  # every failed shard is named, the first raised
+                errors[0].add_note(f"and: {other}")
             raise errors[0]
         return {"waited_s": time.perf_counter() - start, "written": self._report()}
 

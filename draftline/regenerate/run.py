@@ -44,6 +44,21 @@ def keep(tokenize_dir: Path, tokenize: dict) -> dict:
     }
 
 
+def chunks(out_dir: Path, fingerprint: str, count: int, size: int
+           ) -> tuple[list[tuple[int, int]], list[Path], list[int]]:
+    """The resume units of ``count`` items in chunks of ``size``: their bounds, their sample
+    files under a folder named by ``fingerprint`` (other folders, made from other inputs or
+    settings, are removed: never resumed), and the indices of those not yet written."""
+    chunk_dir = out_dir / "chunks" / fingerprint[:16]
+    for stale in (out_dir / "chunks").glob("*"):
+        if stale != chunk_dir:
+            shutil.rmtree(stale)
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    bounds = [(a, min(a + size, count)) for a in range(0, count, size)]
+    paths = [chunk_dir / f"chunk-{i:05d}.safetensors" for i in range(len(bounds))]
+    return bounds, paths, [i for i, path in enumerate(paths) if not path.exists()]
+
+
 def make_engine(cfg: DictConfig, stop_ids: list[int]) -> greedy.VllmReplies:
     options = engine.engine_options(cfg, cfg.regenerate)
     os.environ.update(options.environment())  # before vLLM is imported
@@ -75,15 +90,7 @@ def run(cfg: DictConfig) -> dict:
     tool_results = read_tool_results(tokenize_dir / tokenize["samples"])
     fingerprint = artifacts.config_hash({
         "tokenize": inputs, "regenerate": config.stage_config(cfg, "regenerate"), "stop_ids": stop_ids})
-    chunk_dir = out_dir / "chunks" / fingerprint[:16]
-    for stale in (out_dir / "chunks").glob("*"):
-        if stale != chunk_dir:  # chunks of other inputs or settings must not be resumed
-            shutil.rmtree(stale)
-    chunk_dir.mkdir(parents=True, exist_ok=True)
-    size = int(cfg.regenerate.chunk_samples)
-    bounds = [(a, min(a + size, len(samples))) for a in range(0, len(samples), size)]
-    paths = [chunk_dir / f"chunk-{i:05d}.safetensors" for i in range(len(bounds))]
-    pending = [i for i, path in enumerate(paths) if not path.exists()]
+    bounds, paths, pending = chunks(out_dir, fingerprint, len(samples), int(cfg.regenerate.chunk_samples))
     log.info("%d samples in %d chunks, %d to generate (stop ids %s)", len(samples), len(bounds),
              len(pending), stop_ids)
 
@@ -178,15 +185,7 @@ def run_turns(cfg: DictConfig, out_dir: Path, tokenize_dir: Path, tokenize: dict
     fingerprint = artifacts.config_hash({
         "tokenize": inputs, "regenerate": config.stage_config(cfg, "regenerate"), "stop_ids": stop_ids,
         "template": template, "form": "turns"})
-    chunk_dir = out_dir / "chunks" / fingerprint[:16]
-    for stale in (out_dir / "chunks").glob("*"):
-        if stale != chunk_dir:  # chunks of other inputs or settings must not be resumed
-            shutil.rmtree(stale)
-    chunk_dir.mkdir(parents=True, exist_ok=True)
-    size = int(cfg.regenerate.chunk_samples)
-    bounds = [(a, min(a + size, len(records))) for a in range(0, len(records), size)]
-    paths = [chunk_dir / f"chunk-{i:05d}.safetensors" for i in range(len(bounds))]
-    pending = [i for i, path in enumerate(paths) if not path.exists()]
+    bounds, paths, pending = chunks(out_dir, fingerprint, len(records), int(cfg.regenerate.chunk_samples))
     log.info("%d conversations in %d chunks, %d to generate turn by turn (stop ids %s, reasoning "
              "parser %s)", len(records), len(bounds), len(pending), stop_ids, cfg.regenerate.reasoning_parser)
     tokens_per_second = 0.0
