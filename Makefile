@@ -342,8 +342,15 @@ lint-docker: $(VENV)/bin/hadolint ## Lint the Dockerfile with hadolint
 
 # ---- tests ------------------------------------------------------------------------------
 .PHONY: test
-test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models)
+test: setup ## Run the default test suite on CPU (real vLLM CPU engine, tiny models), after make lint
+	$(if $(filter cpu,$(STACK)),$(MAKE) --no-print-directory lint)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+.PHONY: lint
+# ruff with the rules pyproject.toml's [tool.ruff.lint] lists (why each: there). The CPU lock
+# pins ruff; the GPU image has none, so `make test` there skips this step.
+lint: setup ## Lint the Python code: undefined names, unused imports, syntax errors (ruff)
+	$(VENV)/bin/ruff check --no-cache --quiet .
 
 .PHONY: test-long
 # The `long` tier: engine branches (TP=2, bf16, compiled) and the rehearsals of the tiny

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from benchmarks.optimizer import DIMS, draft_parameter_shapes
-from draftline.train.optimizer import adamw, optimizer_implementation
+from draftline.train.optimizer import optimizer_implementation
 
 EPS32 = torch.finfo(torch.float32).eps
 LR = 3e-3

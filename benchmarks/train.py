@@ -703,7 +703,7 @@ def reference_run(args: argparse.Namespace, dims: Dims, inputs: Inputs,
     cycle = (resident[i % len(resident)] for i in range(args.warmup + args.steps))
     result = timed_steps("anchor (speculators)", step, device, cycle, dims, args.warmup,
                          args.steps)
-    del model, optimizer, resident
+    model = optimizer = resident = None  # step's closure holds them: release, not del
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -722,7 +722,6 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
     print(result["divergences"], result["paired_difference"])
     assert result["diverging_replies"] > 0 and not result["agrees"]
     # The stage turns that verdict into its failure (on the target's own replies, as here).
-    from draftline.pipeline import config
     from draftline.evaluate.run import vllm_failures
 
     cfg = compose("tiny")
@@ -738,7 +737,6 @@ def test_vllm_and_offline_disagree_when_the_stored_features_are_wrong(decoded):
 def test_the_stage_fails_on_a_vllm_disagreement_or_other_text_without_an_engine():
     """draftline.evaluate.run.vllm_failures on synthetic verdicts: what turns vLLM's measurement into
     the stage's failure, in the default tier (the engine tier checks it on a real decode)."""
-    from draftline.pipeline import config
     from draftline.evaluate.run import vllm_failures
 
     cfg = compose("tiny")

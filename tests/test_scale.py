@@ -565,7 +565,6 @@ def sbatch_options(script: str) -> dict[str, str]:
 
 
 def test_slurm_scripts_run_make_targets_and_keys_that_exist():
-    from draftline.pipeline import config
 
     cfg = compose("kimi-k2.5")  # what deploy/slurm/common.sh's example extends
     scripts = {p.name: p.read_text() for p in (DEPLOY / "slurm").iterdir()}

@@ -4,7 +4,6 @@ distribution, start-up apart from the steady state, and the loader's end of star
 import json
 import time
 
-import pytest
 import torch
 
 from draftline.train.timing import INPUT_BOUND_SHARE, StepClock, StepTime, distribution
