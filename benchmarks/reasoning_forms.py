@@ -28,7 +28,7 @@ from chat_families import family_tokenizer  # noqa: E402
 from test_tool_traces import marked, mixed_records  # noqa: E402
 
 from draftline.tiny import targets  # noqa: E402
-from draftline.tokenize.chat import encode_windows  # noqa: E402
+from draftline.tokenize.windows import encode_windows  # noqa: E402
 from draftline.tokenize.conversations import DEFAULT_ROLES  # noqa: E402
 from draftline.tokenize.encode import Budget, tokenize_source  # noqa: E402
 from draftline.tokenize.sources import open_source  # noqa: E402

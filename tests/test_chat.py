@@ -299,7 +299,7 @@ def test_generation_prompt_differing_from_history_is_excluded(fast):
 import re
 
 from draftline.tokenize import chat
-from draftline.tokenize.chat import encode_windows
+from draftline.tokenize.windows import encode_windows
 
 
 def exact(message: str) -> str:

@@ -608,13 +608,15 @@ def test_a_parallel_drafts_rollout_matches_its_training_forward(pair, tmp_path):
     from draftline.tokenize import vocab
     from draftline.train.draft import build_draft
     from draftline.train.loop import _save_draft
+    from draftline.train.parallel import ParallelDraft
 
     target_dir, sequential = pair
     freq = torch.randint(0, 100, (512,), generator=torch.Generator().manual_seed(0))
     d2t, t2d = vocab.draft_vocab_mapping(freq, 128)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        draft = build_draft(target_dir, [1, 2, 3], d2t, t2d, num_speculative_tokens=3, parallel=True)
+        draft = build_draft(target_dir, [1, 2, 3], d2t, t2d, num_speculative_tokens=3,
+                            draft_class=ParallelDraft)
     draft_dir = _save_draft(draft, tmp_path, "float32")
     assert json.loads((draft_dir / "config.json").read_text())["architectures"] == ["Eagle3DraftModel"]
     assert engine.speculative_config(draft_dir, 3)["parallel_drafting"] is True

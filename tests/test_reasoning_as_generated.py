@@ -19,7 +19,7 @@ from test_tool_traces import marked, mixed_records
 from draftline.cli import init
 from draftline.tiny import targets
 from draftline.tokenize import generated
-from draftline.tokenize.chat import encode_windows
+from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
 from draftline.tokenize.encode import Budget, tokenize_source
 from draftline.tokenize.sources import open_source

@@ -17,7 +17,7 @@ from test_reasoning_as_generated import REASONING, REPLIES, record
 from test_tool_traces import marked
 
 from draftline.regenerate import turns
-from draftline.tokenize.chat import encode_windows
+from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import normalize
 from draftline.tiny import targets
 

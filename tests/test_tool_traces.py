@@ -13,7 +13,8 @@ import pytest
 from chat_families import family_tokenizer
 
 from draftline.tiny import targets
-from draftline.tokenize.chat import encode_conversation, encode_windows
+from draftline.tokenize.chat import encode_conversation
+from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
 from draftline.tokenize.encode import Budget, tokenize_source
 from draftline.tokenize.sources import open_source

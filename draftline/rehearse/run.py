@@ -28,6 +28,7 @@ def build_draft(cfg: DictConfig, mini_cfg: DictConfig, out_dir: Path) -> tuple[s
     import torch
 
     from draftline.train.draft import build_draft as build
+    from draftline.train.parallel import draft_class
 
     tokenize_dir = config.stage_dir(cfg, "tokenize")
     d2t, t2d = formats.load_vocab_mapping(tokenize_dir / artifacts.read_manifest(tokenize_dir)["vocab"])
@@ -36,7 +37,7 @@ def build_draft(cfg: DictConfig, mini_cfg: DictConfig, out_dir: Path) -> tuple[s
         torch.manual_seed(int(cfg.seed))
         draft = build(mini_cfg.model.path, list(mini_cfg.model.aux_layer_ids), d2t, t2d,
                       int(cfg.train.num_layers), num_speculative_tokens=k,
-                      parallel=str(cfg.train.method) == "parallel")  # vLLM drafts as the run will train
+                      draft_class=draft_class(str(cfg.train.method)))  # vLLM drafts as the run will train
     with artifacts.atomic_dir(out_dir) as tmp:
         draft.save_pretrained(str(tmp))
     return str(out_dir.absolute()), k

@@ -72,7 +72,8 @@ def encode(tokenizer, conversations: list, seq_length: int) -> list[list[int]]:
     """Chat-rendered token ids per conversation, truncated like tokenize does.  For a thinking
     template, each reply as generated after its own prompt (``tokenize.reasoning=as_generated``):
     the target learns to write its reasoning where the server asks it for a reply."""
-    from draftline.tokenize.chat import encode_conversation, encode_windows
+    from draftline.tokenize.chat import encode_conversation
+    from draftline.tokenize.windows import encode_windows
     from draftline.tokenize.generated import thinking_template
 
     if thinking_template(tokenizer):

@@ -53,7 +53,7 @@ __all__ = [
     "Windows",
     "assistant_char_spans",
     "encode_conversation",
-    "encode_windows",
+    "template_windows",
     "tokenize_conversation",
 ]
 
@@ -331,7 +331,7 @@ class Window:
 
 def plan_windows(tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel,
                  tools: Sequence[dict] | None, template: Template) -> list[Window]:
-    """The windows of a conversation longer than ``max_length`` (see :func:`encode_windows`):
+    """The windows of a conversation longer than ``max_length`` (see :func:`template_windows`):
     the longest runs of whole exchanges that fit, and each exchange too long alone (``fits``
     False: its caller cuts it or drops it)."""
     head, exchanges = _exchanges(messages)
@@ -375,9 +375,9 @@ def _reasoning_trained(tokenizer: Any, messages: Sequence[dict], trained: Sequen
                                         if shown and reasoning[k])}
 
 
-def encode_windows(
+def template_windows(
     tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel = None, *,
-    tools: Sequence[dict] | None = None, template: Template = None, reasoning: str = "template",
+    tools: Sequence[dict] | None = None, template: Template = None,
 ) -> Windows:
     """Encode a conversation as one sample, or, when it is longer than ``max_length``, as
     several samples split at exchange boundaries (a user turn and the reply to it).
@@ -390,20 +390,12 @@ def encode_windows(
     if some of its reply survives (``num_truncated`` says so); otherwise it is dropped and
     listed in ``dropped_exchanges``.  :class:`EmptyLossMaskError` if nothing at all survives.
     ``tools`` and ``template`` as for :func:`encode_conversation`; every window declares the tools.
-
-    ``reasoning`` is ``tokenize.reasoning``: ``"template"`` trains what the template renders for
-    each window, ``"preserve"`` the same with the template's switch to keep every reply's
-    reasoning, ``"as_generated"`` each reply as the target generates it
-    (:mod:`draftline.tokenize.generated`).
+    What the template renders is trained (``tokenize.reasoning: template``, or ``preserve`` with
+    the template's switch in ``template``); :func:`draftline.tokenize.windows.encode_windows`
+    picks between this and each reply as generated.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    if reasoning != "template":  # imported here: it builds on this module
-        from draftline.tokenize import generated
-
-        if generated.check_setting(reasoning) == "as_generated":
-            return generated.encode_windows(tokenizer, messages, max_length, sample, tools, template)
-        template = {**(template or {}), **generated.PRESERVE}
     rendered = render_conversation(tokenizer, messages, sample, tools, template)
     whole = _encode_rendered(tokenizer, rendered, sample)
     total = sum(whole.loss_mask)

@@ -33,7 +33,8 @@ import numpy as np
 from draftline import target
 from draftline.pipeline.progress import Progress
 from draftline.errors import UserError
-from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError, encode_windows
+from draftline.tokenize.chat import ChatTemplateError, DroppedExchange, EmptyLossMaskError
+from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.generated import check_setting
 from draftline.tokenize.spans import Template
 from draftline.errors import DataError
@@ -320,7 +321,7 @@ def tokenize_source(
     seed: int, workers: int, budget: Budget, template: Template = None, reasoning: str = "template",
 ) -> TokenizedSet:
     """Tokenize every selected record of ``source`` (see the module doc); ``reasoning`` is
-    ``tokenize.reasoning`` (draftline.tokenize.chat.encode_windows)."""
+    ``tokenize.reasoning`` (draftline.tokenize.windows.encode_windows)."""
     check_setting(reasoning)
     if workers < 1:
         raise ValueError(f"tokenize.workers must be >= 1, got {workers}")

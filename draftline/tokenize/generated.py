@@ -33,12 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from draftline.tokenize import chat
 from draftline.tokenize.spans import (ChatTemplateError, Rendered, SampleLabel, Template, _render,
                                       _render_template, _tool_after, render_conversation)
 from draftline.tokenize.traces import THINK_OPEN
 
-__all__ = ["PRESERVE", "SETTINGS", "Generated", "check_setting", "describe", "reply_as_generated",
-           "thinking_template"]
+__all__ = ["PRESERVE", "SETTINGS", "Generated", "check_setting", "describe", "generated_windows",
+           "reply_as_generated", "thinking_template"]
 
 # tokenize.reasoning: the reply as the target generates it, the whole record as the template
 # renders it, or the whole record with the template's own switch to keep every reply's reasoning.
@@ -194,8 +195,6 @@ def _encode_sample(tokenizer: Any, messages: Sequence[dict], text: str, spans: d
                    last: int, sample: SampleLabel):
     """``text`` (a render of ``messages[:last+1]``, whole or up to reply ``last``) masked on
     ``spans`` (reply index -> characters); tool marks as for a whole render."""
-    from draftline.tokenize import chat  # imported here: chat imports this module the same way
-
     replies = [k for k, m in enumerate(messages[: last + 1]) if m["role"] == "assistant"]
     every = [spans.get(k, (0, 0)) for k in replies]  # empty: not trained here
     rendered = Rendered(text, [s for s in every if s[0] < s[1]], _tool_after(messages[: last + 1], every))
@@ -246,9 +245,10 @@ def _as_generated(tokenizer: Any, messages: Sequence[dict], sample: SampleLabel,
     return _Samples(samples, trained, reused, as_template, int(not whole))
 
 
-def encode_windows(tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel,
-                   tools: Sequence[dict] | None, template: Template):
-    """:func:`draftline.tokenize.chat.encode_windows` with ``reasoning="as_generated"``.
+def generated_windows(tokenizer: Any, messages: Sequence[dict], max_length: int, sample: SampleLabel,
+                      tools: Sequence[dict] | None, template: Template) -> chat.Windows:
+    """A conversation's samples with ``tokenize.reasoning: as_generated`` (the windows of
+    :func:`draftline.tokenize.chat.template_windows`).
 
     A conversation that fits gives the samples of :func:`_as_generated`.  A longer one is cut
     into the same windows as the whole render's (a call and its results stay together), and each
@@ -256,8 +256,6 @@ def encode_windows(tokenizer: Any, messages: Sequence[dict], max_length: int, sa
     sample longer than ``max_length`` is cut there if some of its reply survives, else dropped
     (``dropped_exchanges``: the window's exchange, or the one reply).
     """
-    from draftline.tokenize import chat
-
     conversation = _as_generated(tokenizer, messages, sample, tools, template)
     total = sum(sum(s.loss_mask) for s, _ in conversation.samples)
     counts = chat._reasoning_trained(tokenizer, messages, conversation.trained)

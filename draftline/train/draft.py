@@ -139,6 +139,12 @@ class Eagle3DraftModel(_SpeculatorsEagle3DraftModel):
     config.json's ``architectures``, and the save must look exactly like speculators' own.
     """
 
+    @classmethod
+    def layer_config_fields(cls, verifier_text: dict) -> dict:
+        """What a draft of this class adds to its ``transformer_layer_config`` for a verifier of
+        this config (nothing; :class:`draftline.train.parallel.ParallelDraft` its mask token)."""
+        return {}
+
     def _setup_embeddings_and_lm_heads(self, config: VerifierConfig, t2d: torch.Tensor):
         info = read_verifier(config.name_or_path)
         vocab, hidden = int(info.text["vocab_size"]), int(info.text["hidden_size"])
@@ -204,7 +210,8 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
                 t2d: torch.Tensor, num_layers: int = 1, *, intermediate_size: int | None = None,
                 head_dim: int | None = None, num_speculative_tokens: int = 3,
                 norm_before_residual: bool = False,
-                rope_scaling: dict | None = None, parallel: bool = False) -> Eagle3DraftModel:
+                rope_scaling: dict | None = None,
+                draft_class: type[Eagle3DraftModel] = Eagle3DraftModel) -> Eagle3DraftModel:
     """A fresh float32 draft (CPU) for ``verifier_dir`` with the verifier's embeddings/head.
 
     ``eagle_aux_hidden_state_layer_ids`` is set explicitly: it is the top-level key vLLM 0.16
@@ -212,7 +219,8 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
     The verifier's real ``architectures`` go into ``speculators_config.verifier``, with its
     path as given (the run's ``model.path``), not made absolute: the saved config.json then
     holds no path of the machine that trained it (evaluate and serve name the target anyway).
-    ``parallel``: a parallel-drafting draft (draftline.train.parallel).
+    ``draft_class``: the model class, ``Eagle3DraftModel`` or a subclass such as
+    ``draftline.train.parallel.ParallelDraft`` (``draftline.train.parallel.draft_class``).
     """
     info = read_verifier(verifier_dir)
     if len(aux_layer_ids) != NUM_AUX_LAYERS:
@@ -220,10 +228,8 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
     check_layer_ids(list(aux_layer_ids), read_target_shape(info.path))
     verifier = VerifierConfig(name_or_path=str(verifier_dir), architectures=info.architectures)
     layer_config = draft_layer_config(info.text, num_layers, intermediate_size, head_dim, rope_scaling)
-    if parallel:  # draftline.train.parallel: the mask token where vLLM reads the layer config
-        from draftline.train import parallel as parallel_drafting
-
-        setattr(layer_config, parallel_drafting.MASK_TOKEN, parallel_drafting.mask_token(info.text))
+    for key, value in draft_class.layer_config_fields(info.text).items():
+        setattr(layer_config, key, value)
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config,
         draft_vocab_size=int(d2t.numel()),
@@ -236,10 +242,7 @@ def build_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: tor
             verifier=verifier,
         ),
     )
-    if parallel:
-        return parallel_drafting.ParallelDraft(config, t2d=t2d.to(torch.bool).clone(),
-                                               d2t=d2t.to(torch.long).clone())
-    return Eagle3DraftModel(config, t2d=t2d.to(torch.bool).clone(), d2t=d2t.to(torch.long).clone())
+    return draft_class(config, t2d=t2d.to(torch.bool).clone(), d2t=d2t.to(torch.long).clone())
 
 
 def _dense_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

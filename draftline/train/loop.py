@@ -68,6 +68,7 @@ from draftline.train.loader import (
     steps_in_epochs,
 )
 from draftline.train.optimizer import adamw, optimizer_implementation
+from draftline.train.parallel import draft_class
 from draftline.train.packing import PACKING, StepPlanner
 from draftline.train.timing import StepClock
 from draftline.train.draft import (
@@ -81,7 +82,6 @@ from draftline.train.draft import (
 
 __all__ = ["train", "latest_checkpoint", "Session", "make_session"]
 
-METHODS = ("eagle3", "parallel")  # train.method: sequential EAGLE-3, or parallel drafting (draftline.train.parallel)
 
 log = logging.getLogger(__name__)
 GRAD_CLIP = 1.0  # speculators' Trainer
@@ -91,12 +91,11 @@ def _fresh_draft(verifier_dir: str | Path, aux_layer_ids: Sequence[int], d2t: to
                  t2d: torch.Tensor, num_layers: int, ttt_steps: int,
                  seed: int, method: str = "eagle3") -> Eagle3DraftModel:
     # Seeded init without disturbing the caller's RNG; CPU init makes it device-independent.
-    if method not in METHODS:
-        raise ValueError(f"train.method={method!r}: one of {', '.join(METHODS)}")
+    cls = draft_class(method)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers,
-                           num_speculative_tokens=ttt_steps, parallel=method == "parallel")
+                           num_speculative_tokens=ttt_steps, draft_class=cls)
 
 
 def _sampler(lengths: Sequence[int], rank_tokens: int, seed: int, world: World) -> StepPlanner:

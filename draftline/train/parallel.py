@@ -29,11 +29,11 @@ from transformers import DynamicCache
 
 from draftline.train.draft import Eagle3DraftModel
 
-__all__ = ["MASK_HIDDEN", "MASK_TOKEN", "ParallelDraft", "is_parallel", "mask_token"]
+__all__ = ["MASK_HIDDEN", "MASK_TOKEN", "METHODS", "ParallelDraft", "draft_class", "is_parallel", "mask_token"]
 
 MASK_HIDDEN = "mask_hidden"  # the weight's name: vLLM loads any weight whose name holds it
 MASK_TOKEN = "ptd_token_id"  # in transformer_layer_config, where vLLM reads the layer config
-METHODS = ("eagle3", "parallel")
+METHODS = ("eagle3", "parallel")  # train.method: sequential EAGLE-3, or parallel drafting
 
 
 def mask_token(verifier_text: dict) -> int:
@@ -57,6 +57,11 @@ class ParallelDraft(Eagle3DraftModel):
     """``Eagle3DraftModel`` plus ``mask_hidden`` [3H], trained as vLLM's proposer drafts in
     parallel (the module doc). Saved in speculators' format with ``mask_hidden`` beside the
     other tensors, under the architecture name speculators' own drafts have."""
+
+    @classmethod
+    def layer_config_fields(cls, verifier_text: dict) -> dict:
+        """The mask token, where vLLM reads it: the draft's layer config."""
+        return {MASK_TOKEN: mask_token(verifier_text)}
 
     def __init__(self, config, t2d: torch.Tensor, d2t: torch.Tensor):
         super().__init__(config, t2d=t2d, d2t=d2t)
@@ -129,3 +134,10 @@ class ParallelDraft(Eagle3DraftModel):
             metrics["loss"] = loss.detach().clone()
             return proposals, loss, metrics
         return proposals
+
+
+def draft_class(method: str) -> type[Eagle3DraftModel]:
+    """The draft's class for ``train.method`` (ValueError naming the choices)."""
+    if method not in METHODS:
+        raise ValueError(f"train.method={method!r}: one of {', '.join(METHODS)}")
+    return ParallelDraft if method == "parallel" else Eagle3DraftModel
