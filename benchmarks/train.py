@@ -138,6 +138,7 @@ from draftline.train.loader import (
 )
 from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import GRAD_CLIP, Session, make_session
+from draftline.train.settings import TrainSettings
 from draftline.train.optimizer import optimizer_implementation
 from draftline.train.timing import StepClock, distribution
 
@@ -599,9 +600,9 @@ def new_session(args: argparse.Namespace, dims: Dims, inputs: Inputs, device: st
                             num_speculative_tokens=dims.ttt)
     compile = None if args.compile == "auto" else args.compile == "1"
     total = args.warmup * 2 + args.steps * 2 + 1  # keeps the LR schedule above zero
-    return make_session(model, device, lr=1e-4, warmup_steps=0, total_steps=total,
-                        ttt_steps=dims.ttt, precision=precision, compile=compile, world=world,
-                        ddp=ddp, fused_optimizer=fused_optimizer(args))
+    settings = TrainSettings(lr=1e-4, ttt_steps=dims.ttt, device=device, precision=precision,
+                             compile=compile, fused_optimizer=fused_optimizer(args))
+    return make_session(model, settings, warmup_steps=0, total_steps=total, world=world, ddp=ddp)
 
 
 def fused_optimizer(args: argparse.Namespace) -> bool | None:

@@ -37,19 +37,16 @@ from pathlib import Path
 
 
 def one(exp: str, overrides: list[str], out: Path) -> dict:
-    from draftline.pipeline import artifacts, config, numerics
+    from draftline.pipeline import config, numerics
 
     cfg = config.compose(config.experiment_overrides(exp, overrides))
     applied = numerics.apply(cfg.numerics.torch_threads, bool(cfg.numerics.deterministic))
     from draftline.train import loop
 
-    prepare_dir = config.stage_dir(cfg, "prepare")
-    prepared = artifacts.read_manifest(prepare_dir)
-    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
     start = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = _train(loop, cfg, prepare_dir, prepared, extract, out)
+        result = _train(loop, cfg, out)
     for warning in caught:  # shown as usual, after the run
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     nondeterministic = sorted({str(w.message).split("\n")[0] for w in caught
@@ -60,19 +57,14 @@ def one(exp: str, overrides: list[str], out: Path) -> dict:
             "numerics": numerics.describe(applied)}
 
 
-def _train(loop, cfg, prepare_dir: Path, prepared: dict, extract: dict, out: Path) -> dict:
+def _train(loop, cfg, out: Path) -> dict:
     from draftline.pipeline import launch
-    from draftline.train.run import auto_or, vocab_path
+    from draftline.train.run import train_data
+    from draftline.train.settings import TrainSettings
 
-    return loop.train(
-        prepared["shards"], prepare_dir / prepared["index"], vocab_path(cfg), str(cfg.model.path),
-        out, list(extract["aux_layer_ids"]), steps=int(cfg.train.steps), lr=float(cfg.train.lr),
-        ttt_steps=int(cfg.train.ttt_steps), max_tokens_per_step=int(cfg.train.max_tokens_per_step),
-        seed=int(cfg.train.seed), device=launch.rank_device(str(cfg.train.device)),
-        num_layers=int(cfg.train.num_layers), checkpoint_every=int(cfg.train.checkpoint_every),
-        precision=str(cfg.train.precision), compile=auto_or(cfg.train.compile, bool),
-        loader_threads=auto_or(cfg.train.loader_threads, int),
-        prefetch_batches=auto_or(cfg.train.prefetch_batches, int), check_vllm=False)
+    settings = TrainSettings.from_config(cfg.train, device=launch.rank_device(str(cfg.train.device)),
+                                         check_vllm=False)
+    return loop.train(train_data(cfg), settings, out)
 
 
 def main(argv: list[str]) -> None:

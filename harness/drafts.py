@@ -26,6 +26,7 @@ def overfit_draft(target_dir, target, sequences: Sequence[torch.Tensor], aux_ids
     from draftline.tokenize import vocab
     from draftline.train.draft import build_draft
     from draftline.train.loop import make_session
+    from draftline.train.settings import TrainSettings
 
     rows = []
     for tokens in sequences:
@@ -42,8 +43,8 @@ def overfit_draft(target_dir, target, sequences: Sequence[torch.Tensor], aux_ids
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = build_draft(target_dir, aux_ids, d2t, t2d, num_speculative_tokens=3)
-        session = make_session(model, "cpu", lr=3e-3, warmup_steps=5, total_steps=steps,
-                               ttt_steps=3, precision="fp32", compile=False)
+        settings = TrainSettings(lr=3e-3, ttt_steps=3, precision="fp32", compile=False)
+        session = make_session(model, settings, warmup_steps=5, total_steps=steps)
         for _ in range(steps):
             session.step(batch)
     model.save_pretrained(str(out_dir))

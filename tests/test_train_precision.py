@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from draftline.train.draft import build_draft, resolve_precision
 from draftline.train.loop import make_session
+from draftline.train.settings import TrainSettings
 from test_training import AUX_IDS, MAX_TOKENS, _train, data, one_torch_thread  # noqa: F401
 
 STEPS = 5
@@ -54,8 +55,8 @@ def test_bf16_keeps_float32_master_weights_and_optimizer_state(runs):
 def test_bf16_session_computes_in_bf16(data):  # noqa: F811
     """Matmuls in bf16, trainable weights and their gradients float32, frozen ones bf16."""
     draft = build_draft(data["verifier"], AUX_IDS, data["d2t"], data["t2d"])
-    session = make_session(draft, "cpu", lr=1e-3, warmup_steps=0, total_steps=1, ttt_steps=3,
-                           precision="bf16")
+    session = make_session(draft, TrainSettings(lr=1e-3, ttt_steps=3, precision="bf16"),
+                           warmup_steps=0, total_steps=1)
     seen = []
     draft.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
     batch = {"hidden_states": torch.randn(1, MAX_TOKENS, 3 * draft.hidden_size),

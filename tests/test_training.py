@@ -36,6 +36,7 @@ from draftline.train.loader import (
 from draftline.train.checkpoint import latest_checkpoint
 from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import train
+from draftline.train.settings import TrainData, TrainSettings
 from draftline.train.packing import PACKING
 
 from conftest import REPO
@@ -136,11 +137,11 @@ def data(tmp_path_factory):
     }
 
 
-def _train(data, out_dir: Path, split: str, **kwargs) -> dict:
+def _train(data, out_dir: Path, split: str, stop_after: int | None = None, **kwargs) -> dict:
     args = dict(steps=10, lr=1e-3, ttt_steps=3, max_tokens_per_step=MAX_TOKENS, seed=0,
                 checkpoint_every=5, keep_checkpoints=None, check_vllm=False)
-    return train(data["shards"], data[split], data["vocab"], data["verifier"], out_dir,
-                 AUX_IDS, **{**args, **kwargs})
+    inputs = TrainData(data["shards"], data[split], data["vocab"], data["verifier"], AUX_IDS)
+    return train(inputs, TrainSettings(**{**args, **kwargs}), out_dir, stop_after=stop_after)
 
 
 # --------------------------------------------------------------------------- data

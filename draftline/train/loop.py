@@ -69,6 +69,7 @@ from draftline.train.loader import (
 )
 from draftline.train.optimizer import adamw, optimizer_implementation
 from draftline.train.parallel import draft_class
+from draftline.train.settings import TrainData, TrainSettings
 from draftline.train.packing import PACKING, StepPlanner
 from draftline.train.timing import StepClock
 from draftline.train.draft import (
@@ -250,26 +251,23 @@ class Session:
         return self._reduce({k: torch.tensor(v / count) for k, v in totals.items()})
 
 
-def make_session(model: Eagle3DraftModel, device: str, *, lr: float, warmup_steps: int,
-                 total_steps: int, ttt_steps: int, decay: float = 1.0,
-                 precision: str = "auto", compile: bool | None = None,
-                 attention: str = "auto", world: World = World(),
-                 ddp: bool | None = None, fused_optimizer: bool | None = None) -> Session:
-    """The draft on ``device`` with its optimizer, schedule, precision and forward mode
-    (wrapped in DDP when ``world`` has several ranks, or when ``ddp``; ``device`` is this
-    rank's).  ``fused_optimizer=None``: fused AdamW where the device has it."""
-    numerics = resolve_precision(precision, device)
+def make_session(model: Eagle3DraftModel, settings: TrainSettings, *, warmup_steps: int,
+                 total_steps: int, world: World = World(), ddp: bool | None = None) -> Session:
+    """The draft on ``settings.device`` with its optimizer (``lr``; ``fused_optimizer``, None:
+    fused AdamW where the device has it), schedule, precision and forward mode (``compile``,
+    ``attention``), wrapped in DDP when ``world`` has several ranks, or when ``ddp``; the
+    device is this rank's."""
+    device = settings.device
+    numerics = resolve_precision(settings.precision, device)
     _prepare_model(model, device, numerics)
-    mode = _forward_mode(model, device, compile, attention)
-    implementation = optimizer_implementation(device, fused_optimizer)
-    optimizer, scheduler = _optimizer(model, lr, warmup_steps, total_steps, implementation)
-    return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode, ttt_steps,
-                   decay, numerics, world, implementation)
+    mode = _forward_mode(model, device, settings.compile, settings.attention)
+    implementation = optimizer_implementation(device, settings.fused_optimizer)
+    optimizer, scheduler = _optimizer(model, settings.lr, warmup_steps, total_steps, implementation)
+    return Session(_wrap(model, device, world, ddp), optimizer, scheduler, device, mode,
+                   settings.ttt_steps, settings.ttt_step_loss_decay, numerics, world, implementation)
 
 
-def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
-              vocab_mapping: str | Path, verifier_dir: str | Path,
-              aux_layer_ids: Sequence[int], out: Path, **hyper) -> dict:
+def _run_spec(data: TrainData, out: Path, **hyper) -> dict:
     """Everything that shapes the result; a checkpoint resumes only the same spec. Inputs are
     named relative to ``out`` (the checkpoints' own run), so a run dir copied to another
     path or machine, with its inputs beside it as before, writes the same state and resumes."""
@@ -277,35 +275,31 @@ def _run_spec(shards: Sequence[str | Path], split_index: str | Path,
         return os.path.relpath(Path(path).absolute(), out.absolute())
 
     return {
-        "shards": [where(s) for s in shards],
-        "split_index": where(split_index),
-        "vocab_mapping": where(vocab_mapping),
-        "verifier_dir": where(verifier_dir),
-        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "shards": [where(s) for s in data.shards],
+        "split_index": where(data.split_index),
+        "vocab_mapping": where(data.vocab_mapping),
+        "verifier_dir": where(data.verifier_dir),
+        "aux_layer_ids": [int(i) for i in data.aux_layer_ids],
         **hyper,
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class _LoaderSettings:
-    threads: int | None  # packing threads; None: from the CPUs this process may use
-    prefetch: int | None  # batches packed ahead; None: threads + 1
-
-    def loader(self, session: Session, dataset: ShardSampleDataset, batches: list,
-               max_tokens: int) -> PackedLoader:
-        return PackedLoader(dataset, batches, max_tokens, session.device,
-                            session.precision.input_dtype, self.threads, self.prefetch)
+def _loader(session: Session, dataset: ShardSampleDataset, batches: list, max_tokens: int,
+            settings: TrainSettings) -> PackedLoader:
+    """The packed batches on the session's device, with the settings' threads and lookahead."""
+    return PackedLoader(dataset, batches, max_tokens, session.device,
+                        session.precision.input_dtype, settings.loader_threads,
+                        settings.prefetch_batches)
 
 
 def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path,
-          spec: dict, start: int, stop: int, checkpoint_every: int,
-          keep_checkpoints: int | None, loading: _LoaderSettings
+          spec: dict, start: int, stop: int, settings: TrainSettings
           ) -> tuple[list[dict], Progress, dict]:
     """Run the planned steps; return per-step metrics, their progress (the rates) and their
     timing (``_timing``)."""
     total = spec["total_steps"]
     max_tokens = rank_tokens(spec["max_tokens_per_step"], session.world)
-    loader = loading.loader(session, train_set, [batch for _, batch in plan], max_tokens)
+    loader = _loader(session, train_set, [batch for _, batch in plan], max_tokens, settings)
     # A line per step: each carries that step's loss.
     progress, history = Progress("train", total, start, unit="steps", interval=0.0, logger=log), []
     clock = StepClock(session.device, lambda: loader.primed_at)
@@ -317,12 +311,12 @@ def _loop(session: Session, train_set: ShardSampleDataset, plan: list, out: Path
         # Logged rate: this rank's tokens times the ranks (ranks pack about equal shares).
         tokens = int(batch["lengths"].sum()) * session.world.world_size
         progress.advance_to(step, tokens, _step_detail(history[-1], lr, session.ttt_steps))
-        if session.world.is_main and (step % checkpoint_every == 0 or step == stop):
+        if session.world.is_main and (step % settings.checkpoint_every == 0 or step == stop):
             state = {"step": step, "epoch": epoch, "spec": spec, "metrics": history[-1],
                      "world_size": session.world.world_size,
                      "optimizer": session.optimizer_implementation}
             save_checkpoint(out, step, _unwrapped(session.model), session.optimizer,
-                            session.scheduler, state, keep_checkpoints)
+                            session.scheduler, state, settings.keep_checkpoints)
     return history, progress, _timing(clock)
 
 
@@ -345,15 +339,14 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _validate(session: Session, shards: Sequence[str | Path], split_index: str | Path,
-              max_tokens: int, seed: int, loading: _LoaderSettings) -> dict:
+def _validate(session: Session, data: TrainData, max_tokens: int, settings: TrainSettings) -> dict:
     """speculators' metrics averaged over the validation split ({} when it is empty)."""
-    rows = load_split(split_index, VALIDATION)
+    rows = load_split(data.split_index, VALIDATION)
     if len(rows) < session.world.world_size:  # too few to give every rank a batch
         return {}
-    dataset = ShardSampleDataset(shards, rows)
-    batches = epoch_batches(_sampler(dataset.lengths, max_tokens, seed, session.world), 0)
-    return session.evaluate(loading.loader(session, dataset, batches, max_tokens))
+    dataset = ShardSampleDataset(data.shards, rows)
+    batches = epoch_batches(_sampler(dataset.lengths, max_tokens, settings.seed, session.world), 0)
+    return session.evaluate(_loader(session, dataset, batches, max_tokens, settings))
 
 
 def _vllm_check(check_vllm: bool | None, draft_dir: str, aux_layer_ids: Sequence[int],
@@ -395,75 +388,55 @@ def _summary(history: list[dict], progress: Progress, start: int, stop: int, tot
     }
 
 
-def train(shards: Sequence[str | Path], split_index: str | Path, vocab_mapping: str | Path,
-          verifier_dir: str | Path, out_dir: str | Path, aux_layer_ids: Sequence[int], *,
-          steps: int | None = None, epochs: int | None = None, lr: float = 3e-4,
-          warmup_steps: int | None = None, ttt_steps: int = 3,
-          ttt_step_loss_decay: float = 1.0, max_tokens_per_step: int = 512, seed: int = 0,
-          device: str = "cpu", checkpoint_every: int = 100, keep_checkpoints: int | None = 2,
-          num_layers: int = 1, loader_threads: int | None = None,
-          prefetch_batches: int | None = None, stop_after: int | None = None,
-          compile: bool | None = None, attention: str = "auto", precision: str = "auto",
-          save_dtype: str = "bfloat16", check_vllm: bool | None = None,
-          fused_optimizer: bool | None = None, world: World = World(), method: str = "eagle3") -> dict:
-    """Train (or resume) a draft; write ``out_dir/draft/`` once all steps are done.
+def train(data: TrainData, settings: TrainSettings, out_dir: str | Path, *,
+          world: World = World(), stop_after: int | None = None) -> dict:
+    """Train (or resume) a draft on ``data`` as ``settings`` say; write ``out_dir/draft/``
+    once all steps are done.
 
     ``stop_after`` ends this call after that global step (with a checkpoint), e.g. for
-    time-sliced jobs; the next call resumes.  ``warmup_steps=None`` is speculators'
-    default (1% of the steps).  ``compile=None`` compiles on CUDA only; ``attention="auto"``
-    is speculators' flex kernel when compiled, the dense SDPA kernel otherwise.
-    ``precision``: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
-    ``loader_threads`` / ``prefetch_batches``: ``PackedLoader``'s threads and lookahead
-    (None: sized from the machine).  ``check_vllm=None`` checks the save with vLLM when it is
-    installed.  ``fused_optimizer``: torch's fused AdamW (None: where the device has it).
-    ``method``: ``eagle3`` or ``parallel`` (k tokens from one forward, as vLLM's
-    ``parallel_drafting`` proposer drafts; draftline.train.parallel).
-    ``world``: this process's rank among torchrun's (the process group is set
-    up by the caller; ``device`` is this rank's); only rank 0 writes.  Returns
-    ``steps``, ``total_steps``, ``completed``, ``resumed_from``, ``final`` (speculators'
-    per-TTT-step loss/accuracies of the last step), ``loss_history`` (this call's steps),
-    ``validation``, ``tokens_per_second``, ``seconds_per_step``, ``draft_dir``, ``vllm``,
-    ``skipped`` (checks that did not run, each with why), ``precision`` (the resolved one),
-    ``optimizer`` (AdamW's implementation: fused, foreach or for-loop), ``packing`` (the planner),
-    ``timing`` (this call's wait for data per step: start-up and steady-state p50/p90/max,
-    ``input_bound``; ``draftline.train.timing.StepClock.summary``).
+    time-sliced jobs; the next call resumes.  ``world``: this process's rank among torchrun's
+    (the process group is set up by the caller; ``settings.device`` is this rank's); only
+    rank 0 writes.  Returns ``steps``, ``total_steps``, ``completed``, ``resumed_from``,
+    ``final`` (speculators' per-TTT-step loss/accuracies of the last step), ``loss_history``
+    (this call's steps), ``validation``, ``tokens_per_second``, ``seconds_per_step``,
+    ``draft_dir``, ``vllm``, ``skipped`` (checks that did not run, each with why),
+    ``precision`` (the resolved one), ``optimizer`` (AdamW's implementation: fused, foreach or
+    for-loop), ``packing`` (the planner), ``timing`` (this call's wait for data per step:
+    start-up and steady-state p50/p90/max, ``input_bound``;
+    ``draftline.train.timing.StepClock.summary``).
     """
-    out = Path(out_dir)
-    numerics = resolve_precision(precision, device)
-    d2t, t2d = load_vocab_mapping(vocab_mapping)
-    model = _fresh_draft(verifier_dir, aux_layer_ids, d2t, t2d, num_layers, ttt_steps, seed, method)
-    train_set = ShardSampleDataset(shards, load_split(split_index, TRAIN))
-    tokens_per_rank = rank_tokens(max_tokens_per_step, world)
-    sampler = _sampler(train_set.lengths, tokens_per_rank, seed, world)
-    total = _total_steps(sampler, steps, epochs)
-    warmup = total // 100 if warmup_steps is None else warmup_steps
-    spec = _run_spec(shards, split_index, vocab_mapping, verifier_dir, aux_layer_ids, out,
-                     total_steps=total, lr=lr, warmup_steps=warmup, ttt_steps=ttt_steps,
-                     ttt_step_loss_decay=ttt_step_loss_decay, seed=seed, num_layers=num_layers,
-                     max_tokens_per_step=max_tokens_per_step, precision=numerics.name,
-                     packing=PACKING, **({} if method == "eagle3" else {"method": method}))
-    session = make_session(model, device, lr=lr, warmup_steps=warmup, total_steps=total,
-                           ttt_steps=ttt_steps, decay=ttt_step_loss_decay,
-                           precision=numerics.name, compile=compile, attention=attention,
-                           world=world, fused_optimizer=fused_optimizer)
+    out, knobs = Path(out_dir), settings
+    numerics = resolve_precision(knobs.precision, knobs.device)
+    d2t, t2d = load_vocab_mapping(data.vocab_mapping)
+    model = _fresh_draft(data.verifier_dir, data.aux_layer_ids, d2t, t2d, knobs.num_layers,
+                         knobs.ttt_steps, knobs.seed, knobs.method)
+    train_set = ShardSampleDataset(data.shards, load_split(data.split_index, TRAIN))
+    tokens_per_rank = rank_tokens(knobs.max_tokens_per_step, world)
+    sampler = _sampler(train_set.lengths, tokens_per_rank, knobs.seed, world)
+    total = _total_steps(sampler, knobs.steps, knobs.epochs)
+    warmup = total // 100 if knobs.warmup_steps is None else knobs.warmup_steps
+    spec = _run_spec(data, out, total_steps=total, lr=knobs.lr, warmup_steps=warmup,
+                     ttt_steps=knobs.ttt_steps, ttt_step_loss_decay=knobs.ttt_step_loss_decay,
+                     seed=knobs.seed, num_layers=knobs.num_layers,
+                     max_tokens_per_step=knobs.max_tokens_per_step, precision=numerics.name,
+                     packing=PACKING, **({} if knobs.method == "eagle3" else {"method": knobs.method}))
+    session = make_session(model, knobs, warmup_steps=warmup, total_steps=total, world=world)
     log.info("optimizer: AdamW, %s implementation", session.optimizer_implementation)
     start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
-                                    device)
-    loading = _LoaderSettings(loader_threads, prefetch_batches)
+                                    knobs.device)
     stop = total if stop_after is None else max(start, min(total, stop_after))
     history, progress, timing = _loop(session, train_set, plan_steps(sampler, start, stop), out,
-                                      spec, start, stop, checkpoint_every, keep_checkpoints,
-                                      loading)
+                                      spec, start, stop, knobs)
     result = {**_summary(history, progress, start, stop, total, last), "timing": timing,
               "precision": numerics.name,
               "world_size": world.world_size, "packing": PACKING,
               "optimizer": {"name": "AdamW", "implementation": session.optimizer_implementation}}
     if stop < total:
         return result
-    result["validation"] = _validate(session, shards, split_index, tokens_per_rank, seed, loading)
+    result["validation"] = _validate(session, data, tokens_per_rank, knobs)
     if not world.is_main:
         return result
-    result["draft_dir"] = str(_save_draft(model, out, save_dtype))
-    result["vllm"], result["skipped"] = _vllm_check(check_vllm, result["draft_dir"], aux_layer_ids,
-                                                    d2t.numel())
+    result["draft_dir"] = str(_save_draft(model, out, knobs.save_dtype))
+    result["vllm"], result["skipped"] = _vllm_check(knobs.check_vllm, result["draft_dir"],
+                                                    data.aux_layer_ids, d2t.numel())
     return result

@@ -15,15 +15,22 @@ from draftline.pipeline import artifacts, config, launch
 log = logging.getLogger("draftline.train")
 
 
-def auto_or(value, kind: type):
-    """``auto`` (or null) -> None, which lets training size it; else the value as ``kind``."""
-    return None if value is None or str(value) == "auto" else kind(value)
-
-
 def vocab_path(cfg: DictConfig) -> Path:
     """d2t/t2d of the data that was extracted (regenerate's manifest names the file)."""
     regenerate_dir = config.stage_dir(cfg, "regenerate")
     return regenerate_dir / artifacts.read_manifest(regenerate_dir)["vocab"]
+
+
+def train_data(cfg: DictConfig):
+    """The run's :class:`draftline.train.settings.TrainData`: prepare's shards and split,
+    tokenize's vocabulary mapping as regenerate names it, the target, extract's aux layers."""
+    from draftline.train.settings import TrainData
+
+    prepare_dir = config.stage_dir(cfg, "prepare")
+    prepared = artifacts.read_manifest(prepare_dir)
+    extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
+    return TrainData(prepared["shards"], prepare_dir / prepared["index"], vocab_path(cfg),
+                     str(cfg.model.path), list(extract["aux_layer_ids"]))
 
 
 def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
@@ -50,30 +57,17 @@ def run_key(cfg: DictConfig, prepare_dir: Path) -> str:
 
 def run(cfg: DictConfig, world: launch.World = launch.World()) -> dict:
     from draftline.train import loop
+    from draftline.train.settings import TrainSettings
 
     prepare_dir = config.stage_dir(cfg, "prepare")
-    prepared = artifacts.read_manifest(prepare_dir)
     extract = artifacts.read_manifest(config.stage_dir(cfg, "extract"))
     out_dir = config.stage_dir(cfg, "train") / run_key(cfg, prepare_dir)
     device = launch.rank_device(str(cfg.train.device), world)
     if world.distributed:
         launch.init_process_group(device, float(cfg.train.collective_timeout_s))
     try:
-        result = loop.train(
-            prepared["shards"], prepare_dir / prepared["index"],
-            vocab_path(cfg),
-            str(cfg.model.path), out_dir, list(extract["aux_layer_ids"]),
-            steps=int(cfg.train.steps), lr=float(cfg.train.lr), ttt_steps=int(cfg.train.ttt_steps),
-            max_tokens_per_step=int(cfg.train.max_tokens_per_step), seed=int(cfg.train.seed),
-            device=device, num_layers=int(cfg.train.num_layers),
-            checkpoint_every=int(cfg.train.checkpoint_every),
-            precision=str(cfg.train.get("precision", "auto")),
-            compile=auto_or(cfg.train.get("compile", "auto"), bool),
-            loader_threads=auto_or(cfg.train.get("loader_threads", "auto"), int),
-            prefetch_batches=auto_or(cfg.train.get("prefetch_batches", "auto"), int),
-            fused_optimizer=auto_or(cfg.train.get("fused_optimizer", "auto"), bool),
-            world=world, method=str(cfg.train.method),
-        )
+        result = loop.train(train_data(cfg), TrainSettings.from_config(cfg.train, device=device),
+                            out_dir, world=world)
     finally:
         launch.destroy_process_group()
     if not result["completed"]:
