@@ -30,7 +30,7 @@ from test_tool_traces import marked, mixed_records  # noqa: E402
 from draftline.tiny import targets  # noqa: E402
 from draftline.tokenize.windows import encode_windows  # noqa: E402
 from draftline.tokenize.conversations import DEFAULT_ROLES  # noqa: E402
-from draftline.tokenize.encode import Budget, tokenize_source  # noqa: E402
+from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source  # noqa: E402
 from draftline.tokenize.sources import open_source  # noqa: E402
 
 FAMILIES = ("kimi", "qwen3", "deepseek_r1")
@@ -54,10 +54,9 @@ def renders(tok) -> None:
 def counts(path: Path, model_dir: Path, workers: int) -> None:
     rows = {}
     for setting in ("template", "as_generated"):
-        result = tokenize_source(open_source(path), model_dir=str(model_dir), trust_remote_code=False,
-                                 seq_length=4096, roles=DEFAULT_ROLES, field=None, max_samples=None,
-                                 shuffle=False, seed=0, workers=workers, budget=Budget(1.0),
-                                 reasoning=setting)
+        result = tokenize_source(open_source(path), TokenizeSettings(
+            model_dir=str(model_dir), seq_length=4096, roles=DEFAULT_ROLES, workers=workers,
+            budget=Budget(1.0), reasoning=setting))
         m = result.tally.manifest()
         rows[setting] = m
         extra = m["as_generated"] or {}

@@ -150,15 +150,14 @@ class TreeRSS:
 def measure(data: str, model: str, workers: int, seq_length: int) -> dict:
     """Tokenize ``data`` once in this process; numbers and a hash of the output."""
     from draftline.tokenize.conversations import DEFAULT_ROLES
-    from draftline.tokenize.encode import Budget, tokenize_source
+    from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source
     from draftline.tokenize.sources import open_source
 
     with TreeRSS() as tree:
         start = time.perf_counter()
-        result = tokenize_source(
-            open_source(data), model_dir=model, trust_remote_code=False, seq_length=seq_length,
-            roles=DEFAULT_ROLES, field=None, max_samples=None, shuffle=False, seed=0,
-            workers=workers, budget=Budget(0.05))
+        result = tokenize_source(open_source(data), TokenizeSettings(
+            model_dir=model, seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
+            budget=Budget(0.05)))
         seconds = time.perf_counter() - start
     digest = hashlib.sha256()
     for array in (result.input_ids, result.loss_mask, result.offsets):

@@ -21,7 +21,7 @@ from draftline.tiny import targets
 from draftline.tokenize import generated
 from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
-from draftline.tokenize.encode import Budget, tokenize_source
+from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source
 from draftline.tokenize.sources import open_source
 
 TOOLS = [{"type": "function", "function": {
@@ -221,9 +221,8 @@ def test_reasoning_trained_before_and_after_on_a_mixed_file(families, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in [*mixed_records(), record(), record(5)]))
 
     def run(reasoning):
-        return tokenize_source(open_source(data), model_dir=str(model), trust_remote_code=False,
-                               seq_length=4096, roles=DEFAULT_ROLES, field=None, max_samples=None,
-                               shuffle=False, seed=0, workers=1, budget=Budget(3), reasoning=reasoning)
+        return tokenize_source(open_source(data), TokenizeSettings(
+            model_dir=str(model), seq_length=4096, roles=DEFAULT_ROLES, budget=Budget(3), reasoning=reasoning))
 
     before, after = run("template"), run("as_generated")
     old, new = before.tally.manifest(), after.tally.manifest()

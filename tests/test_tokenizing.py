@@ -11,7 +11,7 @@ from draftline.tiny import targets
 from draftline.tokenize import chat
 from draftline.errors import DataError
 from draftline.tokenize.conversations import DEFAULT_ROLES
-from draftline.tokenize.encode import Budget, tokenize_source
+from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source
 from draftline.tokenize.sources import open_source
 
 QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
@@ -25,10 +25,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def run(model_dir, data, budget=20, workers=1, seq_length=256, **options):
-    settings = {"max_samples": None, "shuffle": False, "seed": 0, "field": None} | options
-    return tokenize_source(open_source(data), model_dir=str(model_dir), trust_remote_code=False,
-                           seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
-                           budget=Budget(budget), **settings)
+    return tokenize_source(open_source(data), TokenizeSettings(
+        model_dir=str(model_dir), seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
+        budget=Budget(budget), **options))
 
 
 def digest(result) -> str:

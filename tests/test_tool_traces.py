@@ -16,7 +16,7 @@ from draftline.tiny import targets
 from draftline.tokenize.chat import encode_conversation
 from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
-from draftline.tokenize.encode import Budget, tokenize_source
+from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source
 from draftline.tokenize.sources import open_source
 from draftline.tokenize.spans import UnfaithfulRender
 
@@ -213,9 +213,8 @@ def test_mixed_file_skip_table_and_kept_fraction(families, tmp_path):
     families["kimi"].save_pretrained(str(model))
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in mixed_records()))
-    result = tokenize_source(open_source(data), model_dir=str(model), trust_remote_code=False,
-                             seq_length=4096, roles=DEFAULT_ROLES, field=None, max_samples=None,
-                             shuffle=False, seed=0, workers=1, budget=Budget(3))
+    result = tokenize_source(open_source(data), TokenizeSettings(
+        model_dir=str(model), seq_length=4096, roles=DEFAULT_ROLES, budget=Budget(3)))
     manifest = result.tally.manifest()
     # ShareGPT calls carry no id, and Kimi's call section names the tool only through its id
     assert {k: v["count"] for k, v in manifest["skipped"].items()} == {

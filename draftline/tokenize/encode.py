@@ -38,7 +38,7 @@ from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.generated import check_setting
 from draftline.tokenize.spans import Template
 from draftline.errors import DataError
-from draftline.tokenize.conversations import RecordSkip, normalize
+from draftline.tokenize.conversations import DEFAULT_ROLES, RecordSkip, normalize
 from draftline.tokenize.sources import Source, select_records
 
 __all__ = ["Budget", "Tally", "TokenizedSet", "load_tokenizer", "tokenize_source", "default_workers"]
@@ -315,13 +315,31 @@ def _read_error_reason(error: str) -> str:
     return "not_utf8" if error.startswith("not UTF-8") else "malformed_json"
 
 
-def tokenize_source(
-    source: Source, *, model_dir: str, trust_remote_code: bool, seq_length: int,
-    roles: Mapping[str, str], field: str | None, max_samples: int | None, shuffle: bool,
-    seed: int, workers: int, budget: Budget, template: Template = None, reasoning: str = "template",
-) -> TokenizedSet:
-    """Tokenize every selected record of ``source`` (see the module doc); ``reasoning`` is
-    ``tokenize.reasoning`` (draftline.tokenize.windows.encode_windows)."""
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """How :func:`tokenize_source` reads and encodes: the target's tokenizer (``model``), the
+    ``tokenize`` knobs and the ``data`` selection, as the stage resolved them."""
+
+    model_dir: str  # the target's directory (its tokenizer and chat template)
+    seq_length: int  # tokens per sample
+    budget: Budget = Budget(0)  # tokenize.max_skipped
+    trust_remote_code: bool = False
+    roles: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLES))  # data.roles
+    max_samples: int | None = None  # data.max_samples
+    shuffle: bool = False  # data.shuffle
+    seed: int = 0  # the selection's order when shuffled
+    workers: int = 1  # tokenizer processes
+    template: Template = None  # tokenize.chat_template_kwargs
+    reasoning: str = "template"  # tokenize.reasoning, resolved (draftline.tokenize.windows)
+    text_field: str | None = None  # data.field: the record's key holding the conversation
+
+
+def tokenize_source(source: Source, settings: TokenizeSettings) -> TokenizedSet:
+    """Tokenize every selected record of ``source`` (see the module doc) as ``settings`` say."""
+    model_dir, trust_remote_code, seq_length = settings.model_dir, settings.trust_remote_code, settings.seq_length
+    roles, field, max_samples, shuffle = settings.roles, settings.text_field, settings.max_samples, settings.shuffle
+    seed, workers, budget = settings.seed, settings.workers, settings.budget
+    template, reasoning = settings.template, settings.reasoning
     check_setting(reasoning)
     if workers < 1:
         raise ValueError(f"tokenize.workers must be >= 1, got {workers}")

@@ -18,7 +18,7 @@ from draftline.public import assets as public_assets
 from draftline.tiny import embedded
 from draftline.tokenize import vocab
 from draftline.tokenize.conversations import check_roles
-from draftline.tokenize.encode import Budget, default_workers, load_tokenizer, tokenize_source
+from draftline.tokenize.encode import Budget, TokenizeSettings, default_workers, load_tokenizer, tokenize_source
 from draftline.tokenize.generated import check_setting, thinking_template
 from draftline.tokenize.sources import open_source
 
@@ -69,13 +69,13 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"draft_vocab_size {draft_vocab} > target vocab {target_vocab}")
 
     log.info("tokenizing %s (%s) with %d worker(s)", data.path, source.kind, workers)
-    result = tokenize_source(
-        source, model_dir=str(cfg.model.path), trust_remote_code=bool(cfg.model.trust_remote_code),
+    result = tokenize_source(source, TokenizeSettings(
+        model_dir=str(cfg.model.path), trust_remote_code=bool(cfg.model.trust_remote_code),
         seq_length=int(settings.seq_length), roles=roles,
-        field=None if data.field is None else str(data.field),
+        text_field=None if data.field is None else str(data.field),
         max_samples=None if data.max_samples is None else int(data.max_samples),
         shuffle=bool(data.shuffle), seed=int(cfg.seed), workers=workers, budget=budget,
-        template=OmegaConf.to_container(settings.chat_template_kwargs), reasoning=reasoning)
+        template=OmegaConf.to_container(settings.chat_template_kwargs), reasoning=reasoning))
     write_flat_samples(out_dir / "samples.safetensors", result.input_ids, result.loss_mask, result.offsets,
                        result.tool_results)
     if result.conversations is not None:  # what regenerate generates the target's replies from
