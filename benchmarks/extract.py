@@ -134,6 +134,7 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path, p
 
     from draftline import formats
     from draftline.extract import shards, writer
+    from draftline.extract.settings import ShardJob
     from draftline.pipeline.progress import TOKENS, Progress
 
     generator = VllmHiddenStatesGenerator(
@@ -150,11 +151,11 @@ def extract_path(model_dir: Path, batch: list[list[int]], args, out_dir: Path, p
         if path == "rank0":
             generator.open_shard_writer(args.shard_tokens + args.prompt_len + 16, writer.WRITER)
         start = time.perf_counter()
+        job = ShardJob(batch, masks, Path(out_dir), metadata, 8192, "bfloat16")
         if path == "rank0":
-            writer.on_rank0(generator, plans, batch, masks, out_dir, 8192, metadata, progress, split)
+            writer.on_rank0(generator, plans, job, progress, split)
         else:
-            writer.in_driver(generator, plans, batch, masks, out_dir, 8192, "bfloat16", metadata,
-                             progress, split)
+            writer.in_driver(generator, plans, job, progress, split)
         seconds = time.perf_counter() - start
         progress.finish()
         print(f"  {path}: {split.line()}")
@@ -257,6 +258,7 @@ def capture_run(model_dir: Path, batch: list[list[int]], args, storage: str, pat
 
     from draftline import formats
     from draftline.extract import shards, writer
+    from draftline.extract.settings import ShardJob
     from draftline.pipeline.progress import TOKENS, Progress
 
     generator = VllmHiddenStatesGenerator(
@@ -285,12 +287,11 @@ def capture_run(model_dir: Path, batch: list[list[int]], args, storage: str, pat
         metadata = {formats.FINGERPRINT: "benchmark"}
         start = time.perf_counter()
         try:
+            job = ShardJob(batch, masks, Path(out_dir), metadata, args.shard_tokens, storage)
             if path == "rank0":
-                writer.on_rank0(generator, plans, batch, masks, out_dir, args.shard_tokens,
-                                metadata, progress, split)
+                writer.on_rank0(generator, plans, job, progress, split)
             else:
-                writer.in_driver(generator, plans, batch, masks, out_dir, args.shard_tokens,
-                                 storage, metadata, progress, split)
+                writer.in_driver(generator, plans, job, progress, split)
         finally:
             formats.pack_shard, formats.write_shard = pack, write
         total = time.perf_counter() - start

@@ -17,6 +17,7 @@ import torch
 from draftline import formats
 from draftline.extract import capture, preflight
 from draftline.extract import writer as extract_writer
+from draftline.extract.settings import ShardJob
 from draftline.pipeline import artifacts, config
 
 SLOTS, HIDDEN = 3, 8
@@ -210,7 +211,7 @@ def test_a_writer_error_keeps_the_timing_files_of_the_shards_written_before_it(t
     rank0 = InProcess(capture.ShardWriter(24, SLOTS, HIDDEN, "bfloat16", torch.device("cpu"), write, 2))
     metadata = formats.shard_metadata("fp", [1, 2], HIDDEN)
     with pytest.raises(capture.ShardWriteError, match="shard-00002.safetensors: writing it failed"):
-        extract_writer.on_rank0(rank0, plans, samples, [[1] * 6] * 6, tmp_path, 12, metadata,
+        extract_writer.on_rank0(rank0, plans, ShardJob(samples, [[1] * 6] * 6, tmp_path, metadata, 12, "bfloat16"),
                                 Progress("extract", 36, unit="tok"), extract_writer.TimeSplit())
     written = sorted(p.name for p in tmp_path.glob("shard-*.safetensors"))
     assert written == ["shard-00000.safetensors", "shard-00001.safetensors"]

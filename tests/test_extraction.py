@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,6 +374,7 @@ def _write_shards(generator, path, save_dtype, out_dir, prompts, shard_tokens=20
     """Every shard of ``prompts`` by one of the writers; the time split."""
     from draftline import formats
     from draftline.extract import shards, writer
+    from draftline.extract.settings import ShardJob
     from draftline.pipeline.progress import TOKENS, Progress
 
     lengths = [len(p) for p in prompts]
@@ -381,11 +383,11 @@ def _write_shards(generator, path, save_dtype, out_dir, prompts, shard_tokens=20
     metadata = formats.shard_metadata("identity test", LLAMA_AUX_IDS, 256)
     progress = Progress("test", sum(lengths), unit=TOKENS, quiet=True)
     split = writer.TimeSplit()
+    job = ShardJob(prompts, masks, Path(out_dir), metadata, budget, save_dtype)
     if path == "rank0":
-        writer.on_rank0(generator, plans, prompts, masks, out_dir, budget, metadata, progress, split)
+        writer.on_rank0(generator, plans, job, progress, split)
     else:
-        writer.in_driver(generator, plans, prompts, masks, out_dir, budget, save_dtype, metadata,
-                         progress, split)
+        writer.in_driver(generator, plans, job, progress, split)
     return plans, split
 
 

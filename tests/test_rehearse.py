@@ -132,6 +132,7 @@ def test_the_cost_is_within_1pct_of_the_shards_extracts_code_writes(tmp_path, sa
 
     from draftline import formats
     from draftline.extract import shards, writer
+    from draftline.extract.settings import ShardJob
     from draftline.pipeline.progress import TOKENS, Progress
     from draftline.rehearse import cost
 
@@ -140,8 +141,8 @@ def test_the_cost_is_within_1pct_of_the_shards_extracts_code_writes(tmp_path, sa
     samples = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in lengths]
     masks = [[1] * n for n in lengths]
     plans = shards.plan_shards(lengths, 8192)
-    writer.in_driver(_RandomGenerator(4, 256), plans, samples, masks, tmp_path, 4096, save_dtype,
-                     formats.shard_metadata("x", [2, 3, 4], 256), Progress("t", sum(lengths), unit=TOKENS, quiet=True),
+    job = ShardJob(samples, masks, tmp_path, formats.shard_metadata("x", [2, 3, 4], 256), 4096, save_dtype)
+    writer.in_driver(_RandomGenerator(4, 256), plans, job, Progress("t", sum(lengths), unit=TOKENS, quiet=True),
                      writer.TimeSplit())
     written = sum((tmp_path / p.name).stat().st_size for p in plans)
     estimate = cost.estimate(sum(lengths), len(lengths), num_slots=4, hidden_size=256,

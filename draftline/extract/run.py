@@ -25,6 +25,7 @@ from draftline import engine, formats
 from draftline.extract import preflight, shards, writer
 from draftline.extract.generator import make_generator
 from draftline.extract.plan import Inputs, host_plans, read_inputs, remove_unplanned, shard_metadata
+from draftline.extract.settings import ExtractSettings, ShardJob
 from draftline.pipeline import artifacts, config, launch
 from draftline.pipeline.progress import TOKENS, Progress
 
@@ -82,9 +83,10 @@ def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
     """One engine in this process over ``plans`` (complete shards are skipped)."""
     generator = make_generator(cfg)
     split = writer.TimeSplit()
+    settings = ExtractSettings.from_config(cfg.extract)
+    job = settings.job(inputs.samples, inputs.masks, inputs.out_dir, shard_metadata(cfg, inputs))
     try:
-        write_shards(cfg, generator, plans, inputs.samples, inputs.masks, inputs.out_dir,
-                     shard_metadata(cfg, inputs), progress, split)
+        write_shards(settings, generator, plans, job, progress, split)
     except Exception as error:
         failure = engine.worker_failure(getattr(generator, "executor", None))
         if failure is None and engine.timed_out(error):
@@ -101,16 +103,12 @@ def extract_here(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],
     return split
 
 
-def write_shards(cfg: DictConfig, generator, plans: list[shards.ShardPlan], samples: list[list[int]],
-                 masks: list[list[int]], out_dir, metadata: dict[str, str], progress: Progress,
-                 split: writer.TimeSplit) -> list[int]:
+def write_shards(settings: ExtractSettings, generator, plans: list[shards.ShardPlan], job: ShardJob,
+                 progress: Progress, split: writer.TimeSplit) -> list[int]:
     """The pending shards of ``plans`` through ``generator``, by extract.writer's path."""
-    budget = int(cfg.extract.token_budget)
-    if cfg.extract.writer == preflight.RANK0:
-        return writer.on_rank0(generator, plans, samples, masks, out_dir, budget, metadata,
-                               progress, split)
-    return writer.in_driver(generator, plans, samples, masks, out_dir, budget,
-                            str(cfg.extract.save_dtype), metadata, progress, split)
+    if settings.writer == preflight.RANK0:
+        return writer.on_rank0(generator, plans, job, progress, split)
+    return writer.in_driver(generator, plans, job, progress, split)
 
 
 def extract_in_replicas(cfg: DictConfig, inputs: Inputs, plans: list[shards.ShardPlan],

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from draftline import engine, formats
 from draftline.extract import shards
+from draftline.extract.settings import ShardJob
 from draftline.pipeline.artifacts import write_json
 from draftline.pipeline.progress import Progress
 
@@ -55,11 +56,9 @@ class TimeSplit:
                 "capture_bound": self.capture_share() > CAPTURE_BOUND}
 
 
-def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
-             loss_masks: list[list[int]], out_dir: Path, token_budget: int,
-             metadata: dict[str, str], progress: Progress, split: TimeSplit) -> list[int]:
+def on_rank0(generator, plans: list[shards.ShardPlan], job: ShardJob, progress: Progress,
+             split: TimeSplit) -> list[int]:
     """Every pending shard of ``plans`` written by the engine's rank 0; their indices."""
-    lengths = [len(s) for s in samples]
     seconds, written = {}, []  # this process's seconds per shard: begin to finish
 
     def note(done: list[dict]) -> None:  # writes rank 0 finished since the last call
@@ -79,11 +78,10 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
 
     try:
         for plan in plans:
-            path = out_dir / plan.name
-            if shards.shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
+            path = job.out_dir / plan.name
+            if shards.shard_is_complete(path, plan, job.metadata[formats.FINGERPRINT]):
                 continue
-            seconds[path] = _on_rank0_shard(generator, plan, samples, loss_masks, lengths, path,
-                                            token_budget, metadata, progress, split, waited)
+            seconds[path] = _on_rank0_shard(generator, plan, job, progress, split, waited)
             written.append(plan.index)
         waited(generator.flush_shards)
     except BaseException as error:
@@ -101,21 +99,21 @@ def on_rank0(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
     return written
 
 
-def _on_rank0_shard(generator, plan: shards.ShardPlan, samples, loss_masks, lengths, path: Path,
-                    token_budget: int, metadata: dict[str, str], progress: Progress,
+def _on_rank0_shard(generator, plan: shards.ShardPlan, job: ShardJob, progress: Progress,
                     split: TimeSplit, waited) -> float:
     """One shard: its layout to rank 0, its samples placed and prefilled, handed to the
     writer; this process's seconds on it."""
     started = time.monotonic()
+    samples, lengths, path = job.samples, job.lengths, job.out_dir / plan.name
     rows = formats.shard_rows(plan.sample_ids, {i: samples[i] for i in plan.sample_ids},
-                              {i: loss_masks[i] for i in plan.sample_ids})
+                              {i: job.loss_masks[i] for i in plan.sample_ids})
     offsets = rows[formats.SAMPLE_OFFSETS].tolist()
     at = dict(zip(plan.sample_ids, offsets))
     waited(generator.begin_shard, {
         "path": str(path), "num_tokens": plan.num_tokens, "tensors": rows,
-        "metadata": metadata, "values_key": formats.HIDDEN_STATES,
+        "metadata": job.metadata, "values_key": formats.HIDDEN_STATES,
         "scales_key": formats.HIDDEN_SCALES})
-    for batch in shards.plan_batches(plan.sample_ids, lengths, token_budget):
+    for batch in shards.plan_batches(plan.sample_ids, lengths, job.token_budget):
         start = time.monotonic()
         generator.generate([samples[i] for i in batch], offsets=[at[i] for i in batch])
         split.forward += time.monotonic() - start
@@ -126,29 +124,28 @@ def _on_rank0_shard(generator, plan: shards.ShardPlan, samples, loss_masks, leng
     return time.monotonic() - started
 
 
-def in_driver(generator, plans: list[shards.ShardPlan], samples: list[list[int]],
-              loss_masks: list[list[int]], out_dir: Path, token_budget: int, save_dtype: str,
-              metadata: dict[str, str], progress: Progress, split: TimeSplit) -> list[int]:
+def in_driver(generator, plans: list[shards.ShardPlan], job: ShardJob, progress: Progress,
+              split: TimeSplit) -> list[int]:
     """Every pending shard of ``plans`` from rows returned by ``generator``, packed and
     written here; their indices."""
     split.serial = True
-    lengths = [len(s) for s in samples]
+    samples, lengths, metadata = job.samples, job.lengths, job.metadata
     written = []
     for plan in plans:
-        path = out_dir / plan.name
+        path = job.out_dir / plan.name
         if shards.shard_is_complete(path, plan, metadata[formats.FINGERPRINT]):
             continue
         results = {}
         start = time.monotonic()
-        for batch in shards.plan_batches(plan.sample_ids, lengths, token_budget):
+        for batch in shards.plan_batches(plan.sample_ids, lengths, job.token_budget):
             began = time.monotonic()
             outputs = generator.generate([samples[i] for i in batch])
             split.forward += time.monotonic() - began
             results.update(zip(batch, outputs))
             progress.advance(sum(lengths[i] for i in batch), detail=split.line())
         began = time.monotonic()
-        masks = {i: loss_masks[i] for i in plan.sample_ids}
-        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, save_dtype,
+        masks = {i: job.loss_masks[i] for i in plan.sample_ids}
+        formats.write_shard(path, formats.pack_shard(plan.sample_ids, results, masks, job.save_dtype,
                                                      name=str(path)), metadata)
         split.writing += time.monotonic() - began
         # Beside the shard, not in its metadata: a resumed run must rewrite identical bytes.

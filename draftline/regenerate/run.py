@@ -9,6 +9,7 @@ target's replies are generated turn by turn from them, each after the prompt the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -125,14 +126,27 @@ def run(cfg: DictConfig) -> dict:
         ids, chunk_masks = read_samples(path)
         new_ids += ids
         new_masks += chunk_masks
-    return {**finish(cfg, out_dir, tokenize, new_ids, new_masks, stop_ids, stats, len(bounds),
-                     len(bounds) - len(pending), tokens_per_second, inputs), "form": "tokens"}
+    made = Generation(new_ids, new_masks, stats, len(bounds), len(bounds) - len(pending), tokens_per_second)
+    return {**finish(out_dir, tokenize, stop_ids, made, inputs), "form": "tokens"}
 
 
-def finish(cfg: DictConfig, out_dir: Path, tokenize: dict, new_ids: list[list[int]],
-           new_masks: list[list[int]], stop_ids: list[int], stats: greedy.ChunkStats, chunks: int,
-           resumed: int, tokens_per_second: float, inputs: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What the chunks made, together: the samples and their loss masks, the counts
+    (``greedy.ChunkStats`` or ``turns.TurnStats``), the chunks planned and those resumed from
+    disk, and this run's tokens/s."""
+
+    ids: list[list[int]]
+    masks: list[list[int]]
+    stats: greedy.ChunkStats | turns.TurnStats
+    chunks: int
+    resumed: int
+    tokens_per_second: float
+
+
+def finish(out_dir: Path, tokenize: dict, stop_ids: list[int], made: Generation, inputs: dict) -> dict:
     """The samples and the draft vocabulary of the regenerated replies, and the manifest."""
+    new_ids, new_masks, stats = made.ids, made.masks, made.stats
     target_vocab, draft_vocab = int(tokenize["target_vocab_size"]), int(tokenize["draft_vocab_size"])
     write_samples(out_dir / "samples.safetensors", new_ids, new_masks)
     freq, t2d = vocab.write_vocab(out_dir / "vocab.safetensors", new_ids, new_masks,
@@ -153,8 +167,8 @@ def finish(cfg: DictConfig, out_dir: Path, tokenize: dict, new_ids: list[list[in
         "draft_vocab_coverage": vocab.coverage(freq, t2d),
         "source_masked_tokens": int(tokenize["num_masked_tokens"]),
         "stop_token_ids": stop_ids,
-        "generation": {**stats.__dict__, "resumed_chunks": resumed,
-                       "chunks": chunks, "tokens_per_second": tokens_per_second},
+        "generation": {**stats.__dict__, "resumed_chunks": made.resumed,
+                       "chunks": made.chunks, "tokens_per_second": made.tokens_per_second},
         "skipped": [],
         "inputs": inputs,
     }
@@ -221,8 +235,8 @@ def run_turns(cfg: DictConfig, out_dir: Path, tokenize_dir: Path, tokenize: dict
         raise RuntimeError(f"regenerate made no sample from {len(records)} conversations: "
                            f"{stats.__dict__}, e.g. {examples}")
     write_records(out_dir / "conversations.jsonl", regenerated)
-    manifest = finish(cfg, out_dir, tokenize, new_ids, new_masks, stop_ids, stats, len(bounds),
-                      len(bounds) - len(pending), tokens_per_second, inputs)
+    made = Generation(new_ids, new_masks, stats, len(bounds), len(bounds) - len(pending), tokens_per_second)
+    manifest = finish(out_dir, tokenize, stop_ids, made, inputs)
     if stats.rerender_differs:
         log.warning("%d of %d regenerated replies do not render back from their records as generated "
                     "(trained as generated all the same), e.g. %s", stats.rerender_differs,

@@ -204,6 +204,7 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     from draftline.extract import shards, writer
     from draftline.extract.generator import make_generator
     from draftline.extract.run import write_shards
+    from draftline.extract.settings import ExtractSettings
     from draftline.pipeline.progress import TOKENS, Progress
     from draftline.rehearse import cost
 
@@ -218,7 +219,8 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     log.info("extraction engine started in %.1f s", engine_ready - started)
     split = writer.TimeSplit()
     try:
-        write_shards(cfg_mini, generator, plans, samples, masks, out_dir, metadata,
+        settings = ExtractSettings.from_config(cfg_mini.extract)
+        write_shards(settings, generator, plans, settings.job(samples, masks, out_dir, metadata),
                      Progress("rehearse extract", sum(lengths), unit=TOKENS, quiet=True), split)
     except BaseException as error:
         raise RuntimeError(f"extraction failed {time.monotonic() - engine_ready:.1f} s after its engine "
