@@ -218,7 +218,7 @@ class AnchorDataset:
         import torch
         from speculators.train.noise_transforms import AddUniformNoise
 
-        from draftline.train.loader import ShardSampleDataset
+        from draftline.train.dataset import ShardSampleDataset
 
         self.samples = ShardSampleDataset(shards, rows, num_aux_slots=num_aux,
                                           hidden_dtype=torch.float32)

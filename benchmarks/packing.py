@@ -4,8 +4,8 @@
     python -m benchmarks.packing --embedded runs/tiny-trained   # plus the embedded run's index
 
 "before" is speculators 0.3.0's ``MultipackDistributedBatchSamplerV2``, the planner main used
-(same arguments as ``draftline.train.loader.make_sampler`` gave it); "after" is
-``draftline.train.packing.StepPlanner``.  Both go through ``draftline.train.loader.plan_steps``.
+(same arguments as ``make_sampler``, now ``draftline.train.packing``'s, gave it); "after" is
+``draftline.train.packing.StepPlanner``.  Both go through ``draftline.train.packing.plan_steps``.
 Cases:
 
 1. ``benchmarks/train.py`` at Llama-3.1-8B and Kimi-K2.5 dims: its sample lengths for
@@ -36,8 +36,7 @@ import torch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
 from benchmarks import train as bench
-from draftline.train.loader import plan_steps
-from draftline.train.packing import StepPlanner, fill_of, step_fills
+from draftline.train.packing import StepPlanner, fill_of, plan_steps, step_fills
 
 KIMI_STEPS, KIMI_BUDGET, KIMI_MAX_LEN = 20_000, 8192, 4096
 

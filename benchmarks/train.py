@@ -126,16 +126,10 @@ from transformers import get_linear_schedule_with_warmup
 
 from draftline import formats
 from draftline.pipeline import launch
-from draftline.train.loader import (
-    HIDDEN_KEYS,
-    SCALE_KEYS,
-    STAGINGS,
-    PackedLoader,
-    dequantize_batch,
-    ShardSampleDataset,
-    make_sampler,
-    plan_steps,
-)
+from draftline.train.dataset import ShardSampleDataset
+from draftline.train.fp8 import SCALE_KEYS, dequantize_batch
+from draftline.train.loader import HIDDEN_KEYS, STAGINGS, PackedLoader
+from draftline.train.packing import make_sampler, plan_steps
 from draftline.train.draft import build_draft, set_attention
 from draftline.train.loop import GRAD_CLIP, Session, make_session
 from draftline.train.settings import TrainSettings

@@ -23,21 +23,20 @@ from draftline import formats
 from draftline.train.vllm_parse import check_vllm_parse
 from draftline.formats import load_split
 from draftline.tiny import targets as tiny
-from draftline.train.loader import (
-    MappedShard,
-    PackedLoader,
-    ShardSampleDataset,
+from draftline.train.dataset import ShardSampleDataset, make_loader
+from draftline.train.loader import PackedLoader
+from draftline.train.mapped import MappedShard
+from draftline.train.checkpoint import latest_checkpoint
+from draftline.train.draft import build_draft, set_attention
+from draftline.train.loop import train
+from draftline.train.packing import (
+    PACKING,
     epoch_batches,
-    make_loader,
     make_sampler,
     plan_steps,
     steps_in_epochs,
 )
-from draftline.train.checkpoint import latest_checkpoint
-from draftline.train.draft import build_draft, set_attention
-from draftline.train.loop import train
 from draftline.train.settings import TrainData, TrainSettings
-from draftline.train.packing import PACKING
 
 from conftest import REPO
 

@@ -1,34 +1,26 @@
-"""Training data for the draft: hidden-state shards -> speculators' packed batches, at GPU speed.
+"""Training data for the draft: planned batches packed from hidden-state shards, at GPU speed.
 
-Upstream stages write safetensors shards (layout and keys: ``draftline.formats``; ``hidden_states`` [tokens, slots, H] with the aux
-slots in order and the post-norm final slot last, ``input_ids``, ``loss_mask``,
-``sample_offsets``, ``sample_ids``) and a split index whose rows are
-``(shard_index, sample_row_in_shard, length)``.  speculators' conventions are kept exactly:
-``shift_batch`` (token/target alignment) and ``create_collate_fn`` (concatenate, pad to the
-budget, truncate ``lengths``).  Which samples make up each step is ``draftline.train.packing``'s
-plan (packed to fill the token budget, seeded per epoch), which replaced speculators'
-``MultipackDistributedBatchSamplerV2`` (0.92-0.93 fill at the benchmark dims).
+Which samples make up each step is ``draftline.train.packing``'s plan (packed to fill the
+token budget, seeded per epoch), which replaced speculators'
+``MultipackDistributedBatchSamplerV2`` (0.92-0.93 fill at the benchmark dims).  The samples
+come from ``draftline.train.dataset.ShardSampleDataset``; ``PackedLoader`` delivers the same
+batches as that module's reference ``make_loader`` (speculators' ``shift_batch`` and
+``create_collate_fn``), faster.
 
-Two ways to load the same batches:
+At ~65k tokens/s (Llama-3.1-8B dims, one H200, bf16) the draft eats ~2 GB/s of hidden states,
+which per-sample tensors, a float32 conversion, collate's concatenate + pad and a pin copy on
+the CPU do not keep up with.  So: shards are memory-mapped and read through zero-copy views
+(``draftline.train.mapped``); each planned batch is packed by background threads straight
+from the page cache into a reusable, pinned [1, max_tokens, ...] buffer in the shards' own
+dtype (one CPU copy per byte, bf16 stays bf16); on CUDA the thread that packed a batch also
+copies it to the GPU on a side stream and casts it there (``staging="workers"``), so the
+training thread only waits on the batch's event.  ``staging="consumer"`` is the earlier way
+(kept to time both in one process): the training thread copies batch i+1 while batch i is in
+use, which makes it wait for batch i+1's packing and for the copy's pageable ``lengths`` (a
+stream sync) before it gets batch i.
 
-* ``make_loader``: the reference -- ``ShardSampleDataset`` items (one shifted sample each)
-  through a ``DataLoader`` and speculators' own collate.  Tests compare against it.
-* ``PackedLoader``: the training path.  At ~65k tokens/s (Llama-3.1-8B dims, one H200, bf16)
-  the draft eats ~2 GB/s of hidden states, which per-sample tensors, a float32 conversion,
-  collate's concatenate + pad and a pin copy on the CPU do not keep up with.  So: shards are
-  memory-mapped and read through zero-copy views (``MappedShard``); each planned batch is
-  packed by background threads straight from the page cache into a reusable, pinned
-  [1, max_tokens, ...] buffer in the shards' own dtype (one CPU copy per byte, bf16 stays
-  bf16); on CUDA the thread that packed a batch also copies it to the GPU on a side stream
-  and casts it there (``staging="workers"``), so the training thread only waits on the
-  batch's event.  ``staging="consumer"`` is the earlier way (kept to time both in one
-  process): the training thread copies batch i+1 while batch i is in use, which makes it wait
-  for batch i+1's packing and for the copy's pageable ``lengths`` (a stream sync) before it
-  gets batch i.
-
-fp8 shards (``formats.HIDDEN_SCALES`` beside float8_e4m3fn hidden states) travel as stored:
-one byte per value plus a float32 scale per token and slot, packed into the batch's
-``SCALE_KEYS`` buffers and dequantized where the batch is cast (on the GPU in training).
+fp8 shards travel as stored and are dequantized where the batch is cast (on the GPU in
+training): ``draftline.train.fp8``.
 """
 
 from __future__ import annotations
@@ -36,55 +28,31 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import json
-import math
-import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
-from speculators.train.data import create_collate_fn, shift_batch
-from torch.utils.data import DataLoader, Dataset
 
 from draftline import formats
-from draftline.train.packing import StepPlanner
+from draftline.train.dataset import ShardSampleDataset
+from draftline.train.fp8 import SCALE_KEYS, dequantize_batch
+from draftline.train.mapped import numpy_view
 
 __all__ = [
     "HIDDEN_KEYS",
-    "SCALE_KEYS",
-    "dequantize_batch",
-    "MappedShard",
-    "ShardSampleDataset",
     "PackedLoader",
     "default_loader_threads",
     "STAGINGS",
     "fit_lengths",
-    "make_sampler",
-    "epoch_batches",
-    "plan_steps",
-    "steps_in_epochs",
-    "make_loader",
 ]
 
 # speculators' batch keys (shift_batch, collate, the draft's forward); the shard's own keys
-# are draftline.formats'.
+# are draftline.formats', an fp8 batch's scales draftline.train.fp8's SCALE_KEYS.
 HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")
-# fp8 shards only, float32 [1, max_tokens, num_aux] and [1, max_tokens]: the packed scales of
-# HIDDEN_KEYS, consumed (and dropped from the batch) when it is dequantized.
-SCALE_KEYS = ("hidden_states_scales", "verifier_last_hidden_states_scales")
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")  # int64 [1, max_tokens] each
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-}
-# Copied as raw bits through numpy, which has neither type.
-RAW_DTYPES = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 # 4 packing threads measured on an H200 host (16 cores): 2.8-4.5 GB/s of hidden states from
 # a cold disk (its plain sequential read: 1.8-2.1 GB/s), 22 GB/s from the page cache, against
 # ~2 GB/s consumed at 65k tokens/s; more would only add pinned buffers.
@@ -92,314 +60,6 @@ MAX_DEFAULT_THREADS = 4
 # Who copies a packed batch to the GPU: the packing thread (workers) or the thread that
 # trains (consumer, the loader before issue 33).  The same on CPU, where nothing is copied.
 STAGINGS = ("workers", "consumer")
-
-
-# --------------------------------------------------------------------------- shards
-
-
-class MappedShard:
-    """A safetensors file memory-mapped once; its tensors are zero-copy views of the map.
-
-    Why not ``safe_open(...).get_slice``: it copies every slice into a fresh tensor, which
-    the packer would then copy again.  The format is a little-endian u64 header length, a
-    JSON header (dtype, shape, data_offsets per tensor) and the raw data.  The map is
-    copy-on-write (``ACCESS_COPY``) only so that torch gets a writable buffer; nothing
-    writes to it, so pages stay shared with the page cache.
-    """
-
-    def __init__(self, path: str | Path):
-        self.path = str(path)
-        with open(self.path, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_len))
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._data_start = 8 + header_len
-        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
-
-    def shape(self, name: str) -> list[int]:
-        return list(self._entry(name)["shape"])
-
-    def _entry(self, name: str) -> dict:
-        if name not in self.entries:
-            raise KeyError(f"{self.path} has no tensor {name!r}")
-        return self.entries[name]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The stored tensor as a view of the map (a copy only if stored misaligned)."""
-        entry = self._entry(name)
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        begin, end = (self._data_start + o for o in entry["data_offsets"])
-        if end == begin:
-            return torch.empty(entry["shape"], dtype=dtype)
-        if begin % dtype.itemsize:  # safetensors sorts by dtype size, so this is rare
-            return torch.frombuffer(bytearray(self._map[begin:end]), dtype=dtype).view(
-                entry["shape"])
-        count = (end - begin) // dtype.itemsize
-        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=begin).view(
-            entry["shape"])
-
-    def will_need(self, name: str, first_row: int, num_rows: int) -> None:
-        """Ask the kernel to start reading rows of ``name`` now (readahead, no blocking).
-
-        Issued when a batch is planned, so a cold-cache read overlaps the packing of the
-        batches before it instead of faulting page by page.
-        """
-        entry = self._entry(name)
-        row_bytes = math.prod(entry["shape"][1:]) * SAFETENSORS_DTYPES[entry["dtype"]].itemsize
-        start = self._data_start + entry["data_offsets"][0] + first_row * row_bytes
-        aligned = start - start % mmap.PAGESIZE
-        length = min(start + num_rows * row_bytes, len(self._map)) - aligned
-        if length > 0 and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_WILLNEED, aligned, length)
-
-
-def numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as a numpy array (bf16 and fp8 as their raw bit patterns).
-
-    Why numpy on the packing threads: numpy copies single-threaded with the GIL released,
-    while a torch op on a second Python thread starts its own OpenMP team, which on a busy
-    CPU spins against the compute threads (measured: 150 -> 235 ms per CPU step).
-    """
-    if tensor.dtype in RAW_DTYPES:
-        return tensor.view(RAW_DTYPES[tensor.dtype]).numpy()
-    return tensor.numpy()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src through numpy; bf16 or fp8 <-> another dtype (numpy has neither) via torch.
-
-    The torch fallback only serves splits that mix bf16 and float32 shards.
-    """
-    if dst.dtype != src.dtype and (dst.dtype in RAW_DTYPES or src.dtype in RAW_DTYPES):
-        dst.copy_(src)
-    else:
-        numpy_view(dst)[...] = numpy_view(src)
-
-
-@dataclasses.dataclass
-class _ShardViews:
-    hidden: torch.Tensor  # [tokens, slots, H], stored dtype
-    input_ids: torch.Tensor  # [tokens] int64
-    loss_mask: torch.Tensor  # [tokens] uint8
-    file: MappedShard
-    scales: torch.Tensor | None = None  # [tokens, slots] float32, fp8 shards only
-
-
-def _open_views(path: str) -> _ShardViews:
-    shard = MappedShard(path)
-    scales = (shard.tensor(formats.HIDDEN_SCALES) if formats.HIDDEN_SCALES in shard.entries
-              else None)
-    return _ShardViews(shard.tensor(formats.HIDDEN_STATES), shard.tensor(formats.INPUT_IDS),
-                       shard.tensor(formats.LOSS_MASK), shard, scales)
-
-
-class ShardSampleDataset(Dataset):
-    """One split-index row -> one speculators training sample (already shifted by one).
-
-    Shards are memory-mapped (``MappedShard``).  ``__getitem__`` is the reference
-    per-sample path: ``input_ids`` [T-1] long, ``hidden_states`` [T-1, num_aux*H] in
-    ``hidden_dtype`` (speculators' default float32), ``verifier_last_hidden_states`` [T-1, H],
-    ``loss_mask`` [T-1] long, ``lengths`` [1], ``position_ids`` [T-1] (speculators' shift
-    drops one token per sample).  ``copy_into`` is the packed path: the same shifted sample
-    written into batch buffers, hidden states kept in the stored dtype.
-    """
-
-    def __init__(self, shard_paths: Sequence[str | Path], rows: torch.Tensor,
-                 num_aux_slots: int = 3, hidden_dtype: torch.dtype = torch.float32):
-        self.shard_paths = [str(p) for p in shard_paths]
-        self.rows = rows.tolist()  # [(shard, row, length)], plain ints for cheap indexing
-        self._lengths = [length - 1 for _, _, length in self.rows]
-        self.num_aux_slots = num_aux_slots
-        self.hidden_dtype = hidden_dtype
-        self._views: dict[int, _ShardViews] = {}
-        self._offsets = self._read_offsets()
-        self._check_rows()
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Token count of each item after the shift: what packing has to fit."""
-        return self._lengths
-
-    @property
-    def hidden_size(self) -> int:
-        return self._shard(self.rows[0][0]).hidden.shape[-1]
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        """One dtype for every shard this split reads (as ``torch.cat`` would promote); fp8
-        shards only with fp8 shards (their scales have no place in a bf16 batch)."""
-        dtypes = {self._shard(shard).hidden.dtype for shard in self._offsets}
-        if torch.float8_e4m3fn in dtypes and len(dtypes) > 1:
-            raise ValueError(f"the split mixes fp8 shards with {sorted(map(str, dtypes))}: "
-                             "extract every shard with one extract.save_dtype")
-        result = dtypes.pop()
-        for dtype in dtypes:
-            result = torch.promote_types(result, dtype)
-        return result
-
-    def __getstate__(self) -> dict:
-        # mmaps cannot be pickled into DataLoader workers; each worker maps its own.
-        return {**self.__dict__, "_views": {}}
-
-    def _shard(self, shard: int) -> _ShardViews:
-        if shard not in self._views:
-            self._views[shard] = _open_views(self.shard_paths[shard])
-        return self._views[shard]
-
-    def _read_offsets(self) -> dict[int, list[int]]:
-        offsets = {}
-        for shard in sorted({shard for shard, _, _ in self.rows}):
-            if not 0 <= shard < len(self.shard_paths):
-                raise ValueError(f"split index names shard {shard}, only "
-                                 f"{len(self.shard_paths)} shard paths were given")
-            views = self._shard(shard)
-            offsets[shard] = views.file.tensor(formats.SAMPLE_OFFSETS).tolist()
-            self._check_slots(shard, list(views.hidden.shape))
-        return offsets
-
-    def _check_slots(self, shard: int, shape: list[int]) -> None:
-        if len(shape) != 3 or shape[1] != self.num_aux_slots + 1:
-            raise ValueError(f"{self.shard_paths[shard]}: hidden_states {shape}, expected "
-                             f"[tokens, {self.num_aux_slots + 1} slots, hidden]")
-        views = self._shard(shard)
-        if (views.scales is None) != (views.hidden.dtype != torch.float8_e4m3fn):
-            raise ValueError(f"{self.shard_paths[shard]}: fp8 hidden states come with "
-                             f"{formats.HIDDEN_SCALES}, other dtypes without")
-        if views.scales is not None and list(views.scales.shape) != shape[:2]:
-            raise ValueError(f"{self.shard_paths[shard]}: {formats.HIDDEN_SCALES} "
-                             f"{list(views.scales.shape)}, expected {shape[:2]}")
-
-    def _check_rows(self) -> None:
-        for shard, row, length in self.rows:
-            offsets = self._offsets[shard]
-            if not 0 <= row < len(offsets) - 1:
-                raise ValueError(f"{self.shard_paths[shard]} has no sample row {row}")
-            if offsets[row + 1] - offsets[row] != length or length < 2:
-                raise ValueError(f"{self.shard_paths[shard]} row {row}: index says {length} "
-                                 f"tokens, shard holds {offsets[row + 1] - offsets[row]} "
-                                 "(need >= 2 for the one-token shift)")
-
-    def _locate(self, index: int) -> tuple[_ShardViews, int, int]:
-        shard, row, length = self.rows[index]
-        return self._shard(shard), self._offsets[shard][row], length
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        views, start, length = self._locate(index)
-        span = slice(start, start + length)
-        slots = formats.dequantize(views.hidden[span], None if views.scales is None
-                                   else views.scales[span], self.hidden_dtype)  # [T, aux+1, H]
-        sample = {
-            # [T, aux, H] -> [T, aux*H]: the same layout as torch.cat(aux slots, dim=-1).
-            "hidden_states": slots[:, :-1, :].reshape(length, -1),
-            "verifier_last_hidden_states": slots[:, -1, :].clone(),  # [T, H], not the map
-            "input_ids": views.input_ids[start:start + length].clone(),
-            "loss_mask": views.loss_mask[start:start + length].to(torch.long),
-            "lengths": torch.tensor([length], dtype=torch.long),
-            "position_ids": torch.arange(length, dtype=torch.long),
-        }
-        return shift_batch(sample)
-
-    def will_need(self, index: int) -> None:
-        views, start, length = self._locate(index)
-        views.file.will_need(formats.HIDDEN_STATES, start, length)
-
-    def copy_into(self, index: int, batch: dict[str, torch.Tensor], offset: int,
-                  limit: int) -> int:
-        """Write the shifted sample into ``batch`` at [offset, ...); return tokens written.
-
-        ``batch`` holds [1, max_tokens, ...] buffers; the sample is cut at ``limit`` exactly
-        as speculators' collate cuts the concatenation.  Shift: token t+1's id, mask and
-        final hidden state go with token t's aux hidden states; positions start at 1.
-        """
-        views, start, length = self._locate(index)
-        count = min(length - 1, limit - offset)
-        rows, ahead = slice(offset, offset + count), slice(start + 1, start + 1 + count)
-        aux = self.num_aux_slots
-        hidden = batch["hidden_states"][0, rows].view(count, aux, -1)  # [n, aux, H]
-        _copy(hidden, views.hidden[start:start + count, :aux])
-        _copy(batch["verifier_last_hidden_states"][0, rows], views.hidden[ahead, aux])
-        if views.scales is not None:
-            _copy(batch[SCALE_KEYS[0]][0, rows], views.scales[start:start + count, :aux])
-            _copy(batch[SCALE_KEYS[1]][0, rows], views.scales[ahead, aux])
-        _copy(batch["input_ids"][0, rows], views.input_ids[ahead])
-        _copy(batch["loss_mask"][0, rows], views.loss_mask[ahead])
-        numpy_view(batch["position_ids"][0, rows])[...] = np.arange(1, count + 1)
-        return count
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def make_sampler(lengths: Sequence[int], max_tokens: int, seed: int, rank: int = 0,
-                 world_size: int = 1) -> StepPlanner:
-    """The step planner (``draftline.train.packing``); its order depends on seed + epoch.
-
-    ``max_tokens`` is one process's budget.  With several processes (torchrun) each passes
-    its rank: the planner packs once for all of them and deals rank r its own batches.
-    """
-    return StepPlanner(lengths, max_tokens, seed, rank, world_size)
-
-
-def epoch_batches(sampler: StepPlanner, epoch: int) -> list[np.ndarray]:
-    """Sample indices of each packed batch of one epoch, in training order."""
-    return sampler.batches(epoch)
-
-
-def steps_in_epochs(sampler: StepPlanner, epochs: int) -> int:
-    """Optimizer steps in ``epochs`` passes (the packing, so the count, varies per epoch)."""
-    return sum(len(epoch_batches(sampler, epoch)) for epoch in range(epochs))
-
-
-def plan_steps(sampler: StepPlanner, start_step: int,
-               total_steps: int) -> list[tuple[int, np.ndarray]]:
-    """``(epoch, sample indices)`` for global steps ``start_step .. total_steps - 1``.
-
-    The plan is a pure function of the sampler's seed and the step range, which is what
-    makes a resumed run see exactly the batches an uninterrupted run would have seen.
-    """
-    plan: list[tuple[int, np.ndarray]] = []
-    step, epoch = 0, 0
-    while step < total_steps:
-        batches = epoch_batches(sampler, epoch)
-        if not batches:
-            raise ValueError("the split packs into zero batches")
-        for batch in batches[: total_steps - step]:
-            if step >= start_step:
-                plan.append((epoch, batch))
-            step += 1
-        epoch += 1
-    return plan
-
-
-def make_loader(dataset: ShardSampleDataset, batches: Sequence[np.ndarray], max_tokens: int,
-                num_workers: int = 0) -> DataLoader:
-    """Reference path: the planned batches through speculators' collate, [1, max_tokens]."""
-    return DataLoader(
-        dataset,
-        batch_sampler=[batch.tolist() for batch in batches],
-        collate_fn=create_collate_fn(max_tokens),
-        num_workers=num_workers,
-        pin_memory=False,
-    )
-
-
-# --------------------------------------------------------------------------- packed path
-
-
-def dequantize_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A packed fp8 batch (HIDDEN_KEYS float8_e4m3fn plus SCALE_KEYS) with its hidden states
-    in ``dtype`` and the scales dropped: what the draft's forward takes. Runs where the batch
-    is (the GPU: one byte per value crossed the host-to-device copy)."""
-    out = {k: v for k, v in batch.items() if k not in SCALE_KEYS}
-    hidden, scales = batch["hidden_states"], batch[SCALE_KEYS[0]]  # [1, T, aux*H], [1, T, aux]
-    per_slot = hidden.view(*hidden.shape[:2], scales.shape[-1], -1)  # [1, T, aux, H]
-    out["hidden_states"] = formats.dequantize(per_slot, scales, dtype).view(hidden.shape)
-    out["verifier_last_hidden_states"] = formats.dequantize(
-        batch["verifier_last_hidden_states"], batch[SCALE_KEYS[1]], dtype)  # [1, T, H]
-    return out
 
 
 def fit_lengths(lengths: Sequence[int], max_tokens: int) -> list[int]:
@@ -486,7 +146,7 @@ class PackedLoader:
     """The planned batches, packed from the shards and delivered on ``device``.
 
     Yields speculators' batch dicts ([1, max_tokens, ...] plus ``lengths``) in plan order,
-    identical to ``make_loader``'s except that hidden states arrive in ``hidden_dtype``
+    identical to ``dataset.make_loader``'s except that hidden states arrive in ``hidden_dtype``
     (None: the stored dtype; float32 for fp8 shards), cast (fp8: dequantized) on the device.
     ``threads`` background threads (None: ``default_loader_threads``) pack up to ``prefetch``
     batches ahead into a ring of ``prefetch + 2`` reusable buffers (pinned on CUDA).  On

@@ -58,10 +58,11 @@ from draftline.pipeline.artifacts import atomic_dir
 from draftline.pipeline.launch import World, rank_tokens
 from draftline.pipeline.progress import Progress
 from draftline.train.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint
-from draftline.train.loader import (
-    HIDDEN_KEYS,
-    PackedLoader,
-    ShardSampleDataset,
+from draftline.train.dataset import ShardSampleDataset
+from draftline.train.loader import HIDDEN_KEYS, PackedLoader
+from draftline.train.packing import (
+    PACKING,
+    StepPlanner,
     epoch_batches,
     make_sampler,
     plan_steps,
@@ -70,7 +71,6 @@ from draftline.train.loader import (
 from draftline.train.optimizer import adamw, optimizer_implementation
 from draftline.train.parallel import draft_class
 from draftline.train.settings import TrainData, TrainSettings
-from draftline.train.packing import PACKING, StepPlanner
 from draftline.train.timing import StepClock
 from draftline.train.draft import (
     Eagle3DraftModel,

@@ -30,6 +30,11 @@ the same number of steps and the shares of a step are disjoint and cover it.
 Determinism: the plan is a function of (lengths, budget, seed, epoch, world size, window) only;
 the shuffle is ``numpy.random.default_rng([seed, epoch])`` (speculators used ``seed + epoch``,
 which makes seed 1's epoch 0 seed 0's epoch 1).
+
+Global steps over epochs (the training loop's view, the end of this module): ``plan_steps``
+lists ``(epoch, sample indices)`` for a range of global steps, epoch after epoch, so a resumed
+run replays exactly the batches an uninterrupted one would have seen; ``steps_in_epochs``
+counts the steps of whole epochs (the count varies per epoch).
 """
 
 from __future__ import annotations
@@ -41,7 +46,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PACKING", "StepPlanner", "fill_of", "pack_bins", "step_fills"]
+__all__ = [
+    "PACKING",
+    "StepPlanner",
+    "fill_of",
+    "pack_bins",
+    "step_fills",
+    "make_sampler",
+    "epoch_batches",
+    "steps_in_epochs",
+    "plan_steps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -226,4 +241,51 @@ class StepPlanner:
         return self._cached[1]
 
     def batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's sample indices of each packed batch of one epoch, in training order."""
         return [step[self.rank] for step in self.steps(epoch)]
+
+
+# --------------------------------------------------------------------------- steps over epochs
+
+
+def make_sampler(lengths: Sequence[int], max_tokens: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> StepPlanner:
+    """The training loop's planner: ``StepPlanner`` with the default window; its order
+    depends on seed + epoch.
+
+    ``max_tokens`` is one process's budget.  With several processes (torchrun) each passes
+    its rank: the planner packs once for all of them and deals rank r its own batches.
+    """
+    return StepPlanner(lengths, max_tokens, seed, rank, world_size)
+
+
+def epoch_batches(sampler: StepPlanner, epoch: int) -> list[np.ndarray]:
+    """Sample indices of each packed batch of one epoch, in training order
+    (``sampler.batches``; ``plan_steps`` needs nothing else of a sampler)."""
+    return sampler.batches(epoch)
+
+
+def steps_in_epochs(sampler: StepPlanner, epochs: int) -> int:
+    """Optimizer steps in ``epochs`` passes (the packing, so the count, varies per epoch)."""
+    return sum(len(epoch_batches(sampler, epoch)) for epoch in range(epochs))
+
+
+def plan_steps(sampler: StepPlanner, start_step: int,
+               total_steps: int) -> list[tuple[int, np.ndarray]]:
+    """``(epoch, sample indices)`` for global steps ``start_step .. total_steps - 1``.
+
+    The plan is a pure function of the sampler's seed and the step range, which is what
+    makes a resumed run see exactly the batches an uninterrupted run would have seen.
+    """
+    plan: list[tuple[int, np.ndarray]] = []
+    step, epoch = 0, 0
+    while step < total_steps:
+        batches = epoch_batches(sampler, epoch)
+        if not batches:
+            raise ValueError("the split packs into zero batches")
+        for batch in batches[: total_steps - step]:
+            if step >= start_step:
+                plan.append((epoch, batch))
+            step += 1
+        epoch += 1
+    return plan
