@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, compose
+from helpers import run_make
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +19,7 @@ def prepared_tiny() -> Path:
     `make prepare EXP=tiny` has not run yet."""
     run = REPO / "runs/tiny"
     if not (run / "prepare/manifest.json").exists():
-        made = subprocess.run(["make", "--no-print-directory", "prepare", "EXP=tiny",
-                               f"VENV={sys.prefix}"], cwd=REPO, capture_output=True, text=True)
-        assert made.returncode == 0, made.stderr[-4000:]
+        run_make("prepare", "EXP=tiny", f"VENV={sys.prefix}", expect=0)
     return run
 
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from helpers import run_make
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 LINES = DOCKERFILE.splitlines()
@@ -54,9 +55,7 @@ def lock_python(lock: str) -> str:
 
 
 def test_hadolint_clean():
-    result = subprocess.run(["make", "--no-print-directory", "lint-docker"], cwd=REPO,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_make("lint-docker", expect=0)
 
 
 def test_every_ignored_lint_rule_says_why():
@@ -283,8 +282,7 @@ def test_rendered_compose_mounts_models_and_serves(tmp_path):
 
 @pytest.mark.parametrize(("target", "stack"), [("image", "gpu"), ("image-cpu", "cpu")])
 def test_make_image_labels_the_patch_queue(target, stack):
-    out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = run_make("-n", target, expect=0).stdout
     assert "DOCKER_BUILDKIT=1" in out and f"--build-arg STACK={stack} --tag draftline:{stack}" in out
     for arg, folder in (("DRAFTLINE_PATCHES", "patches/speculators"), ("DRAFTLINE_VLLM_PATCHES", "patches/vllm")):
         queue = re.search(rf"--build-arg {arg}=(\S*)", out)[1]  # empty for an empty queue

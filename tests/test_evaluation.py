@@ -32,6 +32,7 @@ from draftline.train import vllm_parse
 from harness.drafts import overfit_draft
 
 from conftest import REPO, compose
+from helpers import run_make
 
 GATE = REPO / "tests/assets/tau_gate.json"
 
@@ -973,8 +974,7 @@ def smoke_run() -> Path:
         built = _run(sys.executable, "-m", "draftline.tiny.trained", "experiment=tiny-trained")
         assert built.returncode == 0, built.stderr[-4000:]
     if not (run / "evaluate/manifest.json").exists():
-        made = _run("make", "--no-print-directory", "all", "EXP=tiny-trained", f"VENV={sys.prefix}")
-        assert made.returncode == 0, made.stderr[-4000:]
+        run_make("all", "EXP=tiny-trained", f"VENV={sys.prefix}", expect=0)
         stage = _run(sys.executable, "-m", "stages.evaluate", "experiment=tiny-trained")
         assert stage.returncode == 0, stage.stderr[-4000:]
     return run

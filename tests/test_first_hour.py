@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, copy_repo
+from helpers import run_make
 
 SHAPED = REPO / "tests/assets/kimi-k2.5-shaped"  # a model directory that exists
 
@@ -34,8 +35,7 @@ def data(tmp_path):
 
 def make(repo: Path, exp: str, overrides: str = "") -> str:
     """`make tokenize`'s refusal: the one line Make's parse stops with."""
-    result = subprocess.run(["make", "--no-print-directory", "tokenize", f"VENV={sys.prefix}", f"EXP={exp}",
-                             f"OVERRIDES={overrides}"], cwd=repo, capture_output=True, text=True)
+    result = run_make("tokenize", f"VENV={sys.prefix}", f"EXP={exp}", f"OVERRIDES={overrides}", cwd=repo)
     [line] = refused(result)
     assert line.startswith("Makefile:") and "*** draftline: " in line and line.endswith(".  Stop."), line
     return line
@@ -106,10 +106,8 @@ def test_a_model_without_a_chat_template_stops_tokenize_in_two_lines_and_logs_th
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    result = subprocess.run(["make", "--no-print-directory", "tokenize", f"VENV={sys.prefix}", "EXP=kimi-k2.5",
-                             f"OVERRIDES=model.path={model} data.path={data} run_dir={run}"],
-                            cwd=repo, capture_output=True, text=True)
-    assert result.returncode == 2, result.stderr[-3000:]
+    result = run_make("tokenize", f"VENV={sys.prefix}", "EXP=kimi-k2.5",
+                      f"OVERRIDES=model.path={model} data.path={data} run_dir={run}", cwd=repo, expect=2)
     assert "Traceback" not in result.stdout + result.stderr
     # (a fresh copy first builds .tools/: pip may warn there, before the stage starts)
     message, hint, by_make = result.stderr.splitlines()[-3:]

@@ -1,37 +1,30 @@
 """The locks were written by `make lock` from their hand-written inputs (requirements/locks.sha256; no network)."""
 
 import shutil
-import subprocess
 
 from conftest import REPO
-
-
-
-def lock_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", "lock-check", *args], cwd=REPO,
-                          capture_output=True, text=True)
+from helpers import run_make
 
 
 def test_locks_match_their_inputs():
-    result = lock_check()
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_make("lock-check", expect=0)
 
 
 def test_an_edited_input_or_another_lock_date_fails_the_check(tmp_path):
     copy = tmp_path / "requirements"
     shutil.copytree(REPO / "requirements", copy)
-    assert lock_check(f"LOCK_DIR={copy}").returncode == 0
-    assert lock_check(f"LOCK_DIR={copy}", "LOCK_DATE=2026-12-01").returncode != 0
+    assert run_make("lock-check", f"LOCK_DIR={copy}").returncode == 0
+    assert run_make("lock-check", f"LOCK_DIR={copy}", "LOCK_DATE=2026-12-01").returncode != 0
     with open(copy / "overrides-gpu.txt", "a") as f:
         f.write("six==1.16.0\n")
-    result = lock_check(f"LOCK_DIR={copy}")
+    result = run_make("lock-check", f"LOCK_DIR={copy}")
     assert result.returncode != 0
     assert f"{copy}/gpu.lock was not written by 'make lock' from its current inputs" in result.stderr
     shutil.copy(REPO / "requirements/overrides-gpu.txt", copy / "overrides-gpu.txt")
-    assert lock_check(f"LOCK_DIR={copy}").returncode == 0
+    assert run_make("lock-check", f"LOCK_DIR={copy}").returncode == 0
     with open(copy / "cpu.lock", "a") as f:  # a lock edited by hand
         f.write("six==1.16.0\n")
-    assert f"{copy}/cpu.lock was not written" in lock_check(f"LOCK_DIR={copy}").stderr
+    assert f"{copy}/cpu.lock was not written" in run_make("lock-check", f"LOCK_DIR={copy}").stderr
 
 
 def test_locks_pin_the_stack():

@@ -8,13 +8,13 @@ state: no runs/, so every stamp cache is stale.
 
 import hashlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, copy_repo
+from helpers import run_make
 
 USER_DATA = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
 
@@ -32,12 +32,6 @@ def tree_hashes(root: Path) -> dict[str, str]:
             if p.is_file() and not p.is_symlink() and p.relative_to(root).parts[0] != "runs"}
 
 
-def dry_run(repo: Path, target: str, overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={sys.prefix}",
-                           "EXP=tiny", f"OVERRIDES={overrides}"],
-                          cwd=repo, capture_output=True, text=True)
-
-
 @pytest.fixture()
 def repo(tmp_path):
     return copy_repo(tmp_path / "repo")
@@ -52,8 +46,8 @@ def test_make_n_of_every_public_target_writes_nothing_outside_runs(repo, tmp_pat
     user_data.write_text(USER_DATA)
     before, data_before = tree_hashes(repo), user_data.read_bytes()
     for target in public_targets():
-        result = dry_run(repo, target, f"data=file data.path={user_data}")
-        assert result.returncode == 0, (target, result.stderr[-3000:])
+        run_make("-n", target, f"VENV={sys.prefix}", "EXP=tiny", f"OVERRIDES=data=file data.path={user_data}",
+                 cwd=repo, expect=0)
         assert user_data.read_bytes() == data_before, target
         assert tree_hashes(repo) == before, target
         # No model is built, not even the project's own under runs/_assets/.
@@ -71,7 +65,8 @@ def test_the_embedded_set_at_a_users_path_is_refused_in_one_line(repo, tmp_path)
     user_data, absent = tmp_path / "my_chats.jsonl", tmp_path / "absent.jsonl"
     user_data.write_text(USER_DATA)
     for path in (user_data, absent):
-        result = dry_run(repo, "tokenize", f"data.path={path}")
+        result = run_make("-n", "tokenize", f"VENV={sys.prefix}", "EXP=tiny", f"OVERRIDES=data.path={path}",
+                          cwd=repo)
         assert result.returncode != 0
         # One line, at Make's parse (before any recipe, so no lines of Make's about deleted files)
         (line,) = result.stderr.splitlines()
@@ -83,7 +78,8 @@ def test_the_embedded_set_at_a_users_path_is_refused_in_one_line(repo, tmp_path)
 def test_a_built_tiny_target_at_a_users_path_is_refused(repo, tmp_path):
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
-    result = dry_run(repo, "tokenize", f"model.path={model_dir}")
+    result = run_make("-n", "tokenize", f"VENV={sys.prefix}", "EXP=tiny", f"OVERRIDES=model.path={model_dir}",
+                      cwd=repo)
     (line,) = result.stderr.splitlines()
     assert result.returncode == 2 and "conf/model/<name>.yaml with build: null" in line
     assert list(model_dir.iterdir()) == []
@@ -104,10 +100,8 @@ def test_a_big_target_makes_extract_wait_for_the_rehearsal_and_a_small_one_does_
     before = tree_hashes(repo)
     ran = {}
     for name, model in (("big", big), ("small", shaped)):
-        result = subprocess.run(["make", "--no-print-directory", "-n", "extract", f"VENV={sys.prefix}",
-                                 "EXP=kimi-k2.5", f"OVERRIDES=model.path={model} data.path={data}"],
-                                cwd=repo, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-3000:]
+        result = run_make("-n", "extract", f"VENV={sys.prefix}", "EXP=kimi-k2.5",
+                          f"OVERRIDES=model.path={model} data.path={data}", cwd=repo, expect=0)
         ran[name] = re.findall(r"-m stages\.(\w+)", result.stdout)
     assert ran["big"] == ["tokenize", "regenerate", "rehearse", "extract"]
     assert ran["small"] == ["tokenize", "regenerate", "extract"]

@@ -3,15 +3,13 @@ into a pipe."""
 
 import os
 import re
-import subprocess
 
 from conftest import REPO
-
+from helpers import run_make
 
 
 def test_help_lists_every_variable_with_its_default_and_every_experiment_without_colour():
-    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout
+    out = run_make("help", expect=0).stdout
     assert "\033" not in out  # a pipe gets no colour codes
     variables = re.findall(r"^([A-Z_]+) \?= ?([^#\n]*)", (REPO / "Makefile").read_text(), flags=re.M)
     assert {"EXP", "OVERRIDES", "GPUS", "SHARD", "STACK", "FROM", "FORCE"} <= {n for n, _ in variables}
@@ -34,15 +32,11 @@ def test_a_venv_set_up_for_gpu_stays_gpu_and_asking_for_cpu_is_refused(tmp_path)
     venv.mkdir()
     (venv / ".setup-gpu").touch()
     os.utime(venv / ".setup-gpu", (0, 0))  # older than the locks: setup would sync one
-    def dry(*args):
-        return subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}", *args],
-                              cwd=REPO, capture_output=True, text=True)
-    kept = dry()
-    assert kept.returncode == 0, kept.stderr
+    kept = run_make("-n", "setup", f"VENV={venv}", expect=0)
     assert "requirements/gpu.lock" in kept.stdout and "requirements/cpu.lock" not in kept.stdout
-    refused = dry("STACK=cpu")
+    refused = run_make("-n", "setup", f"VENV={venv}", "STACK=cpu")
     assert refused.returncode == 2 and "requirements/cpu.lock" not in refused.stdout
     assert f"{venv} is set up for the gpu stack" in refused.stderr
     assert "`make clean` then `make setup STACK=cpu`" in refused.stderr
     (venv / ".setup-gpu").unlink()  # a fresh or CPU venv: the CPU lock, as before
-    assert "requirements/cpu.lock" in dry().stdout
+    assert "requirements/cpu.lock" in run_make("-n", "setup", f"VENV={venv}").stdout

@@ -10,13 +10,13 @@ run in test_pipeline.py.
 import hashlib
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import copy_repo
+from helpers import run_make
 
 from draftline.pipeline import artifacts, deps
 from draftline.tiny import embedded
@@ -38,11 +38,9 @@ class Make:
         steps it started, and its output."""
         self.log.write_text("")
         # UV=/bin/false: a setup started by mistake fails instead of re-syncing this venv.
-        result = subprocess.run(["make", "--no-print-directory", *args, f"VENV={sys.prefix}", f"PY={self.py}",
-                                 "UV=/bin/false", "EXP=tiny", f"OVERRIDES={overrides}"],
-                                cwd=self.repo, capture_output=True, text=True)
+        result = run_make(*args, f"VENV={sys.prefix}", f"PY={self.py}", "UV=/bin/false", "EXP=tiny",
+                          f"OVERRIDES={overrides}", cwd=self.repo, expect=0)
         output = result.stdout + result.stderr
-        assert result.returncode == 0, output[-3000:]
         started = [re.sub(r" .*", "", line.split("draftline.cli.status ")[1])
                    for line in self.log.read_text().splitlines()]
         return re.findall(r"-m stages\.(\w+)", output), started, output

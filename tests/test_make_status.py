@@ -11,12 +11,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from conftest import copy_repo
+from helpers import run_make
 
 from draftline import patchq
 from draftline.pipeline import artifacts, config, deps
@@ -24,13 +24,7 @@ from draftline.pipeline import artifacts, config, deps
 EXP = "tiny-trained"  # the issue's case: setup and the trained target come before every stage
 PATCH = "patches/vllm/0002-cpu-spec-decode.diff"
 CODE = "draftline/pipeline/artifacts.py"
-
-
-def status(repo: Path) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    result = subprocess.run(["make", "--no-print-directory", "status", f"EXP={EXP}", f"VENV={sys.prefix}", "UV=/bin/false"],
-                            cwd=repo, capture_output=True, text=True)
-    return result, time.monotonic() - start
+STATUS = ("status", f"EXP={EXP}", f"VENV={sys.prefix}", "UV=/bin/false")  # `make status`'s arguments
 
 
 def _sha(path: Path) -> str:
@@ -69,8 +63,7 @@ def finish_by_hand(repo: Path, stages: tuple[str, ...]) -> None:
 
 def test_status_after_a_patch_edit_says_setup_is_stale_and_builds_nothing(tmp_path):
     repo = copy_repo(tmp_path / "repo")
-    first, _ = status(repo)  # writes the stamps, and says the target and the data are missing
-    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    first = run_make(*STATUS, cwd=repo, expect=0)  # writes the stamps, and says the target and the data are missing
     assert "    target: STALE - runs/_assets/tiny-trained/build.json is missing" in first.stdout
     assert "    assets: runs/_assets/conversations.jsonl is missing" in first.stdout
     finish_by_hand(repo, ("tokenize", "regenerate", "extract", "prepare"))
@@ -78,8 +71,9 @@ def test_status_after_a_patch_edit_says_setup_is_stale_and_builds_nothing(tmp_pa
     patch.write_text("# a comment added to the header\n" + patch.read_text())
     before = snapshot(repo)
 
-    result, seconds = status(repo)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    start = time.monotonic()
+    result = run_make(*STATUS, cwd=repo, expect=0)
+    seconds = time.monotonic() - start
     said = result.stdout.splitlines()
     print("\n".join(["", f"make status EXP={EXP} after a patch edit: {seconds:.1f} s", *said]))
     assert seconds < 30  # a venv sync alone takes a minute here, the target's training minutes

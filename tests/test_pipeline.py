@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, copy_repo
+from helpers import run_make
 
 pytestmark = pytest.mark.vllm
 
@@ -29,11 +30,9 @@ BASE = "data.max_bytes=20000 extract.shard_tokens=1024 extract.token_budget=1024
 
 def make(repo: Path, *targets: str, extra: str = "") -> tuple[list[str], str]:
     """Run make; return the stages whose commands ran, and the output."""
-    command = ["make", "--no-print-directory", *targets, f"VENV={sys.prefix}", "EXP=tiny",
-               f"OVERRIDES={BASE} {extra}".strip()]
-    result = subprocess.run(command, cwd=repo, capture_output=True, text=True)
+    result = run_make(*targets, f"VENV={sys.prefix}", "EXP=tiny", f"OVERRIDES={BASE} {extra}".strip(),
+                      cwd=repo, expect=0)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-5000:]
     ran = [s for s in STAGES if f"-m stages.{s} " in output]
     return ran, output
 
@@ -283,8 +282,7 @@ def test_reproduce_refuses_another_lock_or_patch_queue(repo, tmp_path):
 @pytest.mark.slow
 def test_reproduce_replays_every_stage_to_identical_outputs(repo):
     start = time.monotonic()
-    result = subprocess.run(["make", "--no-print-directory", "reproduce", f"VENV={sys.prefix}",
-                             "FROM=runs/tiny"], cwd=repo, capture_output=True, text=True)
+    result = run_make("reproduce", f"VENV={sys.prefix}", "FROM=runs/tiny", cwd=repo)
     output = result.stdout + result.stderr
     print(output[-3000:], f"\nmake reproduce: {time.monotonic() - start:.0f} s")
     assert result.returncode == 0, output[-5000:]

@@ -27,6 +27,7 @@ from draftline.tiny import targets as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
 from conftest import REPO, compose
+from helpers import run_make
 import slurm_cluster
 
 LAUNCH_TIMEOUT = 240  # seconds for one stage run (imports dominate on a busy 2-core box)
@@ -349,12 +350,11 @@ EXTRACT_TIMEOUT = 900  # seconds for one extract run on a busy 2-core box (engin
 
 
 def make_in(repo: Path, *args: str, extra: str = "", check: bool = True) -> tuple[subprocess.CompletedProcess, float]:
-    command = ["make", "--no-print-directory", *args, f"VENV={sys.prefix}", "EXP=tiny",
-               f"OVERRIDES={EXTRACT_BASE} {extra}".strip()]
+    """`make *args` on EXP=tiny with EXTRACT_BASE (and ``extra``) in ``repo``; the result and
+    its seconds. ``check``: assert that it succeeded."""
     start = time.monotonic()
-    result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=EXTRACT_TIMEOUT)
-    if check:
-        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    result = run_make(*args, f"VENV={sys.prefix}", "EXP=tiny", f"OVERRIDES={EXTRACT_BASE} {extra}".strip(),
+                      cwd=repo, timeout=EXTRACT_TIMEOUT, expect=0 if check else None)
     return result, time.monotonic() - start
 
 

@@ -26,6 +26,7 @@ import pytest
 from draftline.pipeline import artifacts
 import slurm_cluster
 from conftest import REPO, copy_repo
+from helpers import run_make
 from test_scale import DRAFT_ATOL, max_draft_difference
 
 pytestmark = [pytest.mark.long, pytest.mark.vllm]
@@ -196,9 +197,7 @@ def test_submit_runs_the_tiny_pipeline_on_two_nodes_like_one_host(cluster, tmp_p
     reference = checkout(tmp_path / "one-host")
     started = time.monotonic()
     for goal in (["extract"], ["train", "GPUS=2"]):
-        done = subprocess.run(["make", "--no-print-directory", *goal, "EXP=tiny", f"OVERRIDES={OVERRIDES}"],
-                              cwd=reference, capture_output=True, text=True, timeout=JOB_TIMEOUT)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+        run_make(*goal, "EXP=tiny", f"OVERRIDES={OVERRIDES}", cwd=reference, timeout=JOB_TIMEOUT, expect=0)
     print(f"one host: make extract, make train GPUS=2: {time.monotonic() - started:.0f} s")
 
     ours, theirs = shard_files(repo), shard_files(reference)

@@ -15,26 +15,20 @@ import sys
 import pytest
 
 from conftest import REPO
+from helpers import run_make
 
 pytestmark = [pytest.mark.long, pytest.mark.vllm]
 RUN = REPO / "runs/smollm2-ci"
 
 
-def make(*targets: str, overrides: str = "") -> str:
-    result = subprocess.run(["make", "--no-print-directory", *targets, f"VENV={sys.prefix}",
-                             "EXP=smollm2-ci", f"OVERRIDES={overrides}"], cwd=REPO,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return result.stdout + result.stderr
-
-
 @pytest.fixture(scope="module")
 def reported():
-    make("prepare")
+    run_make("prepare", f"VENV={sys.prefix}", "EXP=smollm2-ci", "OVERRIDES=", expect=0)
     anchor = subprocess.run([sys.executable, "-m", "benchmarks.anchor", "--exp", "smollm2-ci",
                              "--steps", "2"], cwd=REPO, capture_output=True, text=True)
     assert anchor.returncode == 0, (anchor.stdout + anchor.stderr)[-4000:]
-    make("report", overrides=f"+evaluate.compare.speculators_trainer={RUN}/anchor/draft")
+    run_make("report", f"VENV={sys.prefix}", "EXP=smollm2-ci",
+             f"OVERRIDES=+evaluate.compare.speculators_trainer={RUN}/anchor/draft", expect=0)
     return json.loads((RUN / "evaluate/results.json").read_text())
 
 

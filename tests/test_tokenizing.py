@@ -18,15 +18,17 @@ QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A directory holding only a tiny BPE tokenizer (targets.build_tokenizer), no weights: the
+    part of a target tokenize reads. Not conftest's ``model_dir`` (the whole tiny Llama)."""
     directory = tmp_path_factory.mktemp("tok") / "model"
     targets.build_tokenizer(directory)
     return directory
 
 
-def run(model_dir, data, budget=20, workers=1, seq_length=256, **options):
+def run(tokenizer_dir, data, budget=20, workers=1, seq_length=256, **options):
     return tokenize_source(open_source(data), TokenizeSettings(
-        model_dir=str(model_dir), seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
+        model_dir=str(tokenizer_dir), seq_length=seq_length, roles=DEFAULT_ROLES, workers=workers,
         budget=Budget(budget), **options))
 
 
@@ -35,8 +37,8 @@ def digest(result) -> str:
                                                           result.offsets))).hexdigest()
 
 
-def test_quirk_set_skip_table_and_fixes(model_dir):
-    tally = run(model_dir, QUIRKS).tally.manifest()
+def test_quirk_set_skip_table_and_fixes(tokenizer_dir):
+    tally = run(tokenizer_dir, QUIRKS).tally.manifest()
     counts = {reason: entry["count"] for reason, entry in tally["skipped"].items()}
     assert counts == {"bad_record": 1, "empty_reply": 1, "malformed_json": 1, "no_assistant_tokens": 1,
                       "no_assistant_turn": 1, "no_turns": 1, "not_utf8": 1, "same_role_run": 1,
@@ -60,7 +62,7 @@ def test_quirk_set_skip_table_and_fixes(model_dir):
     assert 0.5 < tally["assistant_tokens_kept_fraction"] < 1.0
 
 
-def test_dropped_exchanges_are_counted_in_source_turn_numbers(model_dir, tmp_path):
+def test_dropped_exchanges_are_counted_in_source_turn_numbers(tokenizer_dir, tmp_path):
     long = "Read this log line by line and tell me what went wrong with the job. " * 30
     short = [{"from": "human", "value": "And now?"}, {"from": "gpt", "value": "Fixed."}]
     records = [  # 1 leading assistant turn dropped, so the long exchange is turns 1-2 of the record
@@ -71,7 +73,7 @@ def test_dropped_exchanges_are_counted_in_source_turn_numbers(model_dir, tmp_pat
     ]
     data = tmp_path / "long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tally = run(model_dir, data, budget=0, seq_length=128).tally
+    tally = run(tokenizer_dir, data, budget=0, seq_length=128).tally
     assert tally.num_conversations == 2 and tally.num_skipped == 0
     assert (tally.dropped_exchanges, tally.dropped_exchange_conversations) == (3, 2)
     assert [e.split(" dropped")[0] for e in tally.dropped_exchange_examples] == [
@@ -91,10 +93,10 @@ SYSTEM_FIRST_ONLY = (
 )
 
 
-def test_template_failure_is_a_counted_skip(model_dir, tmp_path):
+def test_template_failure_is_a_counted_skip(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.chat_template = SYSTEM_FIRST_ONLY + tokenizer.chat_template
     strict = tmp_path / "strict"
     tokenizer.save_pretrained(str(strict))
@@ -109,41 +111,41 @@ def test_template_failure_is_a_counted_skip(model_dir, tmp_path):
         run(strict, QUIRKS, budget=9)
 
 
-def test_budget_as_count_and_fraction(model_dir):
+def test_budget_as_count_and_fraction(tokenizer_dir):
     with pytest.raises(DataError, match=r"9 of \d+ records skipped, over tokenize.max_skipped=8 \(count\)"):
-        run(model_dir, QUIRKS, budget=8)
+        run(tokenizer_dir, QUIRKS, budget=8)
     with pytest.raises(DataError, match=r"9 of 19 records skipped.*fraction") as info:
-        run(model_dir, QUIRKS, budget=0.4)
+        run(tokenizer_dir, QUIRKS, budget=0.4)
     assert "template_error" in str(info.value) and f"{QUIRKS}:8" in str(info.value)
-    assert run(model_dir, QUIRKS, budget=0.5).tally.num_skipped == 9
+    assert run(tokenizer_dir, QUIRKS, budget=0.5).tally.num_skipped == 9
 
 
-def test_long_conversation_windows_end_with_replies(model_dir):
-    result = run(model_dir, QUIRKS, seq_length=256)
+def test_long_conversation_windows_end_with_replies(tokenizer_dir):
+    result = run(tokenizer_dir, QUIRKS, seq_length=256)
     offsets = result.offsets.tolist()
     for a, b in zip(offsets[:-1], offsets[1:]):
         assert b - a <= 256 and result.loss_mask[a:b].any()
-    whole = run(model_dir, QUIRKS, seq_length=4096).tally.manifest()
+    whole = run(tokenizer_dir, QUIRKS, seq_length=4096).tally.manifest()
     assert whole["assistant_tokens_kept_fraction"] == 1.0 and whole["num_split_conversations"] == 0
 
 
-def test_offsets_shortcut_gives_the_prefix_strategy_masks(model_dir, monkeypatch):
-    fast = digest(run(model_dir, QUIRKS))
+def test_offsets_shortcut_gives_the_prefix_strategy_masks(tokenizer_dir, monkeypatch):
+    fast = digest(run(tokenizer_dir, QUIRKS))
     monkeypatch.setattr(chat, "USE_OFFSETS", False)
-    assert digest(run(model_dir, QUIRKS)) == fast
+    assert digest(run(tokenizer_dir, QUIRKS)) == fast
 
 
-def test_assistant_first_error_says_so(model_dir):
+def test_assistant_first_error_says_so(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     messages = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
                 {"role": "assistant", "content": "b"}]
     with pytest.raises(chat.ChatTemplateError, match="starts with an assistant turn"):
         chat.encode_conversation(tokenizer, messages, 100, sample=4)
 
 
-def test_parquet_and_datasets_dir_match_jsonl(model_dir, tmp_path):
+def test_parquet_and_datasets_dir_match_jsonl(tokenizer_dir, tmp_path):
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -154,20 +156,20 @@ def test_parquet_and_datasets_dir_match_jsonl(model_dir, tmp_path):
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "c_ds"))
-    expected = run(model_dir, jsonl)
+    expected = run(tokenizer_dir, jsonl)
     assert expected.tally.num_skipped > 0 and expected.tally.leading_dropped_conversations > 0
     for other in (tmp_path / "c.parquet", tmp_path / "c_ds"):
-        got = run(model_dir, other)
+        got = run(tokenizer_dir, other)
         assert digest(got) == digest(expected), other
         assert got.tally.skips == expected.tally.skips
 
 
-def test_max_samples_and_seeded_shuffle(model_dir):
-    first = run(model_dir, QUIRKS, max_samples=7)
+def test_max_samples_and_seeded_shuffle(tokenizer_dir):
+    first = run(tokenizer_dir, QUIRKS, max_samples=7)
     assert first.tally.num_records == 7
-    shuffled = [digest(run(model_dir, QUIRKS, shuffle=True, seed=s)) for s in (1, 1, 2)]
+    shuffled = [digest(run(tokenizer_dir, QUIRKS, shuffle=True, seed=s)) for s in (1, 1, 2)]
     assert shuffled[0] == shuffled[1] != shuffled[2]
-    assert shuffled[0] != digest(run(model_dir, QUIRKS))
+    assert shuffled[0] != digest(run(tokenizer_dir, QUIRKS))
 
 
 def test_hub_name_reads_the_local_cache_only(monkeypatch, tmp_path):
@@ -194,22 +196,22 @@ def test_hub_name_reads_the_local_cache_only(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_100k_generated_conversations_same_output_with_two_workers(model_dir, tmp_path):
+def test_100k_generated_conversations_same_output_with_two_workers(tokenizer_dir, tmp_path):
     from benchmarks.tokenize import generate
 
     data = tmp_path / "100k.jsonl"
     quirks = generate(data, 100_000)
-    one = run(model_dir, data, budget=0.05, workers=1, seq_length=2048)
-    two = run(model_dir, data, budget=0.05, workers=2, seq_length=2048)
+    one = run(tokenizer_dir, data, budget=0.05, workers=1, seq_length=2048)
+    two = run(tokenizer_dir, data, budget=0.05, workers=2, seq_length=2048)
     assert digest(one) == digest(two) and one.tally.manifest() == two.tally.manifest()
     assert one.tally.leading_dropped_conversations == quirks["assistant_first"]
     assert one.tally.skips["no_turns"] == quirks["no_turns"]
 
 
-def test_as_generated_gives_the_same_samples_for_a_template_without_reasoning(model_dir):
+def test_as_generated_gives_the_same_samples_for_a_template_without_reasoning(tokenizer_dir):
     # The tiny targets' template shows no reasoning and renders history as it was generated:
     # every reply is already in the whole render after its own prompt (windows included).
-    template, as_generated = run(model_dir, QUIRKS), run(model_dir, QUIRKS, reasoning="as_generated")
+    template, as_generated = run(tokenizer_dir, QUIRKS), run(tokenizer_dir, QUIRKS, reasoning="as_generated")
     assert digest(as_generated) == digest(template)
     manifest = as_generated.tally.manifest()
     assert manifest["reasoning_trained"] == {"setting": "as_generated", "replies": 0, "tokens": 0}
