@@ -41,7 +41,7 @@ def _environment_files() -> list[Path]:
     """Stats that move when packages are installed or removed, or a patch queue re-applied."""
     import sysconfig
 
-    from draftline.patchq import RECORD_NAME
+    from draftline.patchq.packages import RECORD_NAME
 
     site = Path(sysconfig.get_paths()["purelib"])
     return [site] + [site / pkg / RECORD_NAME for pkg in ("speculators", "vllm")]

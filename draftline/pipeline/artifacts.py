@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftline.patchq import RECORD_NAME
+from draftline.patchq.packages import RECORD_NAME
 
 MANIFEST = "manifest.json"
 STAMP = "config.json"

@@ -33,7 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # patchq is standard library only and imports no other draftline module, so deps stays both.
-from draftline.patchq import PACKAGES, RECORD_NAME, list_patch_files
+from draftline.patchq.diff import list_patch_files
+from draftline.patchq.packages import PACKAGES, RECORD_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("draftline", "stages")
