@@ -18,8 +18,8 @@ One module per concern, each importing only those listed before it:
   names draftline keeps inside each (its record, its pristine copies);
 - ``diff``: the unified-diff parser and the queue's files;
 - ``hunks``: exact hunk matching and the in-memory dry run;
-- ``state``: the install: where the package is, the applied-patch record, the pristine copies,
-  the ordered writes;
+- ``state``: the install: where the package is, the applied-patch record (``applied_patches``
+  is its one reader for the rest of draftline), the pristine copies, the ordered writes;
 - ``commands``: apply, check, status and restore;
 - ``cli``: the typer command line, run by ``__main__``.
 

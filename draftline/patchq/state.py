@@ -1,4 +1,9 @@
-"""The install's state: where the package is, the applied-patch record, the pristine copies."""
+"""The install's state: where the package is, the applied-patch record, the pristine copies.
+
+:func:`applied_patches` is the one reader of the record for the rest of draftline (the run
+manifests, the stages' dependency records) and :func:`record_path` the one place that finds
+it for them (Make's stamp steps watch it).
+"""
 
 from __future__ import annotations
 
@@ -103,6 +108,26 @@ def check_version(install: Install, expect_version: str) -> None:
             f"installed {install.dist} is {install.version} but the {install.package} patch queue "
             f"is pinned to {expect_version}; install {install.dist}=={expect_version} or update "
             "the patches")
+
+
+# --------------------------------------------------------------------------- the record, for draftline
+
+
+def record_path(package: str) -> Optional[Path]:
+    """Where the applier's record is (or would be) inside the importable ``package``, found
+    without importing it; None when no regular package of that name can be imported."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / RECORD_NAME
+
+
+def applied_patches(package: str = "speculators") -> Optional[list[dict]]:
+    """The patches (``name``, ``sha256`` each, in order) the record inside the installed
+    ``package`` lists; None when the package is not installed or not patched."""
+    path = record_path(package)
+    record = None if path is None else read_json(path)
+    return None if record is None else record["patches"]
 
 
 # --------------------------------------------------------------------------- file helpers
