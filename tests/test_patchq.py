@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,23 @@ def test_each_package_queue_is_its_own_folder_under_patches():
     for pkg in PACKAGES.values():
         assert list_patch_files(pkg.patch_dir), pkg.patch_dir
     assert not list(PATCH_ROOT.glob("*.diff"))
+
+
+def test_every_test_a_patch_header_names_exists() -> None:
+    """A patch's header names the tests that prove it: each tests/ file it names must exist, and
+    each test it names as file::test must be defined in that file (0008 named
+    tests/test_cuda_engine.py::test_shard_writer_on_cuda, a test of tests/test_cuda_capture.py)."""
+    named = re.compile(r"\btests/[\w/.-]+\.py(?:::(\w+))?")
+    wrong = []
+    for package, pkg in PACKAGES.items():
+        for patch in load_patches(pkg.patch_dir, package):
+            for ref in named.finditer(patch.header):
+                path = REPO / ref[0].split("::")[0]
+                if not path.is_file():
+                    wrong.append(f"{package}/{patch.name}: {ref[0]}: no such file")
+                elif ref[1] and not re.search(rf"^\s*def {ref[1]}\(", path.read_text(), re.M):
+                    wrong.append(f"{package}/{patch.name}: {ref[0]}: no such test in that file")
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_every_patch_of_both_queues_has_its_row_in_docs_patches_md() -> None:
