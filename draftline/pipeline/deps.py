@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import platform
 import re
@@ -33,7 +32,9 @@ from functools import lru_cache
 from pathlib import Path
 
 # patchq is standard library only and imports no other draftline module, so deps stays both.
-from draftline.patchq import PACKAGES, RECORD_NAME, list_patch_files
+from draftline.patchq.diff import list_patch_files
+from draftline.patchq.packages import PACKAGES
+from draftline.patchq.state import applied_patches
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("draftline", "stages")
@@ -121,13 +122,8 @@ def _normal(name: str) -> str:
 
 def applied_queue(package: str) -> list[str] | None:
     """``NAME@sha256`` of each patch the applier recorded inside ``package``, or None."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    record = Path(spec.origin).parent / RECORD_NAME
-    if not record.exists():
-        return None
-    return [f"{p['name']}@{p['sha256']}" for p in json.loads(record.read_text())["patches"]]
+    patches = applied_patches(package)
+    return None if patches is None else [f"{p['name']}@{p['sha256']}" for p in patches]
 
 
 def queue_on_disk(package: str) -> list[str]:
