@@ -26,10 +26,11 @@ FLOORS = {
     "draftline.public": 2,
     "draftline.engine": 3, "draftline.tokenize": 3,
     "draftline.regenerate": 4, "draftline.extract": 4, "draftline.prepare": 4,
-    "draftline.serve": 4, "draftline.serve.jobs": 4,
+    # the target with its draft in vLLM: evaluate's, rehearse's, serve's and the harness's
+    "draftline.speculative": 4,
     "draftline.train": 5,
     "draftline.evaluate": 6,
-    "draftline.serve.server": 7, "draftline.report": 7, "draftline.tiny.trained": 7,
+    "draftline.serve": 7, "draftline.report": 7, "draftline.tiny.trained": 7,
     "draftline.rehearse": 8,
     # Make's command-line tools
     "draftline.cli": 9,
