@@ -970,7 +970,7 @@ def smoke_run() -> Path:
     """runs/tiny-trained, evaluated: built here only when `make report EXP=tiny-trained` has not."""
     run = REPO / "runs/tiny-trained"
     if not (REPO / "runs/_assets/tiny-trained/build.json").exists():
-        built = _run(sys.executable, "-m", "draftline.tiny.trained", "experiment=tiny-trained")
+        built = _run(sys.executable, "-m", "draftline.cli.trained_target", "experiment=tiny-trained")
         assert built.returncode == 0, built.stderr[-4000:]
     if not (run / "evaluate/manifest.json").exists():
         made = _run("make", "--no-print-directory", "all", "EXP=tiny-trained", f"VENV={sys.prefix}")
