@@ -177,14 +177,14 @@ TRAINED_EXPS := tiny-trained tiny-thinking
 TRAINED := $(or $(filter $(TRAINED_EXPS),$(EXP)),tiny-trained)
 TRAINED_TARGET := $(ASSETS)/$(TRAINED)/build.json
 TRAINED_TARGET_CODE = $(shell $(WHEN_CHANGED) --answer $(RUN)/.target-code \
-  $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.tiny.trained)
+  $(firstword $(wildcard $(PY)) $(PYTHON)) -m draftline.pipeline.deps files draftline.cli.trained_target)
 TRAINED_TARGET_INPUTS = $(if $(filter $(TRAINED_EXPS),$(EXP)),$(TRAINED_TARGET_CODE)) conf/model/tiny-trained.yaml \
   $(if $(filter tiny-thinking,$(EXP)),conf/model/tiny-thinking.yaml) \
   $(VENV)/.setup-$(STACK)
 
 .PHONY: FORCE
 $(TRAINED_TARGET): $(TRAINED_TARGET_INPUTS)
-	$(PY) -m draftline.tiny.trained experiment=$(TRAINED)
+	$(PY) -m draftline.cli.trained_target experiment=$(TRAINED)
 
 # The experiment's other inputs, what its composed config names: the tiny random target of its
 # model config (build: tiny_llama, ...) and the embedded conversation set, built deterministically

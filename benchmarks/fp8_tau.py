@@ -81,7 +81,7 @@ def stage(name: str, run_dir: Path, dtype: str, seed: int) -> None:
 
 def run_all(root: Path, seeds: list[int]) -> None:
     if not TARGET.exists():
-        subprocess.run([sys.executable, "-m", "draftline.tiny.trained", f"experiment={EXP}"],
+        subprocess.run([sys.executable, "-m", "draftline.cli.trained_target", f"experiment={EXP}"],
                        check=True)
     # The embedded conversations, as `make` builds them before any stage.
     subprocess.run([sys.executable, "-m", "draftline.cli.status", "assets", EXP, "--"],

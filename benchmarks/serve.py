@@ -64,7 +64,7 @@ def main() -> None:
 
     from draftline import engine
     from draftline.regenerate import greedy
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
     from draftline.evaluate import speedup
     from draftline.evaluate.rollout import num_speculative_tokens
     from draftline.pipeline import artifacts, config

@@ -9,8 +9,8 @@ each of those forks. This runs, for the tiny Llama, DeepseekV3 and Kimi-K2.5 tar
   reference), TP=2 float32, TP=1 bf16, each slot of each prompt against transformers
   (float32) and against TP=1's rows. Extraction always runs eager (speculators' generator
   sets it), so there is no compiled extraction.
-* speculative decoding (evaluate's measurement, ``draftline.serve.jobs.measure_on``: greedy, one
-  prompt at a time, vLLM's counters read after every step) with a draft trained on the
+* speculative decoding (evaluate's measurement, ``draftline.speculative.jobs.measure_on``:
+  greedy, one prompt at a time, vLLM's counters read after every step) with a draft trained on the
   target's own greedy replies (``harness.drafts.overfit_draft``: it gets several
   tokens accepted per step, so tau can move): eager TP=1 (the reference), compiled TP=1,
   eager TP=2, compiled TP=2. The plain engine of eager TP=1 decodes the same prompts; with
@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 from draftline import engine
-from draftline.serve import jobs
+from draftline.speculative import jobs
 from draftline.engine import EngineOptions
 from harness import capture
 

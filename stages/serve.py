@@ -13,33 +13,16 @@ the environment and the project never writes (`-H "Authorization: Bearer $VLLM_A
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from draftline.pipeline import config
 from draftline.pipeline.stage import refuse_mistakes
-from draftline.serve.server import API_KEY, server_command, write_command
-
-log = logging.getLogger("draftline.serve")
+from draftline.serve.run import run
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    import torch
-
-    config.fill_from_local(cfg)
-    command, env, differences = server_command(cfg)
-    if not torch.cuda.is_available():
-        log.warning("no GPU: serving on vLLM's CPU engine, which is slow (for trying the API, "
-                    "not for measuring speed)")
-    write_command(cfg, command, env, differences)
-    if os.environ.get(API_KEY):
-        log.info("requests need the API key in %s (not written anywhere)", API_KEY)
-    os.execve(sys.executable, command, {**os.environ, **env})
+    run(cfg)
 
 
 if __name__ == "__main__":

@@ -647,7 +647,7 @@ def decoded(pair, tmp_path_factory):
     speculative decoding of the prompts with that draft."""
     from transformers import AutoModelForCausalLM
 
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     target_dir, _ = pair
     options = EngineOptions(target=str(target_dir), dtype="float32", max_model_len=256)
@@ -697,7 +697,7 @@ def test_a_batched_decode_reads_each_requests_verdicts_as_one_at_a_time_does(pai
     """The standard benchmarks decode all prompts at once and read each request's accepted
     counts from the tokens each step gave it (jobs.decode_batch); one request at a time, vLLM's
     counters give them directly. Same tokens, same verdicts, less each request's last step."""
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     target_dir, _ = pair
     _, measured, _ = decoded
@@ -971,7 +971,7 @@ def smoke_run() -> Path:
     """runs/tiny-trained, evaluated: built here only when `make report EXP=tiny-trained` has not."""
     run = REPO / "runs/tiny-trained"
     if not (REPO / "runs/_assets/tiny-trained/build.json").exists():
-        built = _run(sys.executable, "-m", "draftline.tiny.trained", "experiment=tiny-trained")
+        built = _run(sys.executable, "-m", "draftline.cli.trained_target", "experiment=tiny-trained")
         assert built.returncode == 0, built.stderr[-4000:]
     if not (run / "evaluate/manifest.json").exists():
         run_make("all", "EXP=tiny-trained", f"VENV={sys.prefix}", expect=0)

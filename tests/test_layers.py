@@ -20,18 +20,18 @@ FLOORS = {
     # config, artifacts, the stage wrapper, dependency records, launch, progress, numerics
     "draftline.pipeline": 1,
     # the formats on disk, the target's config, the project's own tiny inputs
-    "draftline.formats": 2, "draftline.target": 2, "draftline.tiny.embedded": 2,
-    "draftline.tiny": 2, "draftline.tiny.targets": 2,
+    "draftline.formats": 2, "draftline.target": 2, "draftline.tiny": 2,
     # packaged public data: a real pretrained target, benchmark and training prompts
     "draftline.public": 2,
     "draftline.engine": 3, "draftline.tokenize": 3,
     "draftline.regenerate": 4, "draftline.extract": 4, "draftline.prepare": 4,
-    "draftline.serve": 4, "draftline.serve.jobs": 4,
+    # the target with its draft in vLLM: evaluate's, rehearse's, serve's and the harness's
+    "draftline.speculative": 4,
     "draftline.train": 5,
     "draftline.evaluate": 6,
-    "draftline.serve.server": 7, "draftline.report": 7, "draftline.tiny.trained": 7,
+    "draftline.serve": 7, "draftline.report": 7,
     "draftline.rehearse": 8,
-    # Make's command-line tools
+    # Make's command-line tools (the trained tiny target's builder among them)
     "draftline.cli": 9,
     # entry points and harnesses
     "stages": 10, "harness": 10, "benchmarks": 10,

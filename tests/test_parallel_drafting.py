@@ -45,7 +45,7 @@ def test_a_parallel_draft_decodes_greedy_equal_to_the_plain_engine(tmp_path, mon
     from vllm.inputs import TokensPrompt
 
     from draftline.engine import EngineOptions, llm_kwargs
-    from draftline.serve.jobs import SpecCounters
+    from draftline.speculative.jobs import SpecCounters
 
     target = targets.build_tiny_llama(tmp_path / "target", num_layers=4)
     parallel_draft(target, tmp_path / "draft", mask_token=2)

@@ -124,7 +124,7 @@ def test_a_failing_tp_rank_ends_speculative_decoding(tmp_path, model_dir):
         "stop_ids": [1], "options": dataclasses.asdict(options)}))
     env = {**fault_env(EXECUTE, stamp, after=20), **options.environment()}
     result, seconds = run_until_exit(
-        [sys.executable, "-m", "draftline.serve.jobs", "measure-replies", str(request),
+        [sys.executable, "-m", "draftline.speculative.jobs", "measure-replies", str(request),
          str(tmp_path / "out.json")], env, stamp)
     output = result.stdout + result.stderr
     print(f"speculative decoding: exit {result.returncode} {seconds:.1f} s after the fault; "

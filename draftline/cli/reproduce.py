@@ -187,7 +187,7 @@ def ensure_target(cfg: dict, exp: str) -> None:
     if model.get("build"):
         status.ensure_assets(OmegaConf.create(cfg))
     elif model.get("train"):
-        subprocess.run([sys.executable, "-m", "draftline.tiny.trained", f"experiment={exp}"], check=True)
+        subprocess.run([sys.executable, "-m", "draftline.cli.trained_target", f"experiment={exp}"], check=True)
     else:
         raise FileNotFoundError(f"target model {model['path']} missing: the run's model must be there")
 

@@ -3,7 +3,7 @@
 Published drafts are judged this way: the serving engine decodes each benchmark prompt
 greedily with the draft (k speculative tokens) and counts tokens per verification step. For
 the benchmarks in ``evaluate.benchmarks.names`` (prompts: draftline.public.prompts) one child
-process (draftline.serve.jobs, job ``benchmark``) renders the prompts with the target's chat
+process (draftline.speculative.jobs, job ``benchmark``) renders the prompts with the target's chat
 template and decodes each benchmark's prompts in one batch with the draft, turn by turn
 (MT-Bench's second turn follows the target's own first answer), then, for the speed-up,
 decodes the same rendered prompts with the plain engine (one engine start each).
@@ -116,7 +116,7 @@ def run(cfg, draft: Path, k: int, baselines: list, stats: dict,
     from draftline import engine
     from draftline.public import prompts
     from draftline.regenerate import greedy
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     settings = cfg.evaluate.benchmarks
     if not settings.names:  # not asked for: nothing was skipped

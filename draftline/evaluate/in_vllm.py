@@ -40,8 +40,8 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
                     proposer, k: int, stats: dict) -> dict:
     """vLLM's own speculative decoding of each held-out prompt vs the offline walk of its reply.
 
-    ``measured[i]`` is vLLM's decode of reply i's prompt (draftline.serve.jobs.measure_replies):
-    its tokens and the accepted draft tokens of every verification step.  Where the stored
+    ``measured[i]`` is vLLM's decode of reply i's prompt
+    (draftline.speculative.jobs.measure_replies): its tokens and the accepted draft tokens of every verification step.  Where the stored
     reply is the target's own greedy reply (``regenerate.replies=target``) vLLM reproduces it
     token for token (``text_mismatches`` counts and locates the replies where it did not) and
     verifies exactly the contexts the offline walk scores, so on the steps both take (vLLM

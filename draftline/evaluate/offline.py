@@ -3,7 +3,7 @@
 Offline (``evaluate_offline``): greedy chain drafting simulated on the held-out split's stored
 hidden states, for the trained draft and two frequency baselines, scored against the target's
 greedy tokens.  In vLLM (``vllm_vs_offline``): vLLM's own greedy speculative decoding of the
-held-out prompts (draftline.serve.jobs), step by step, against the offline walk of the same
+held-out prompts (draftline.speculative.jobs), step by step, against the offline walk of the same
 replies.  Loadability (``check_vllm_load``): vLLM's own config parser and Eagle3 loader read
 the saved draft and place every tensor.
 

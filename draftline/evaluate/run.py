@@ -39,7 +39,7 @@ def measure_in_vllm(cfg: DictConfig, draft: Path, k: int, samples: list, propose
     from draftline.evaluate.in_vllm import vllm_vs_offline
     from draftline.evaluate.offline import held_out_replies
     from draftline.regenerate import greedy
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     live = cfg.evaluate.vllm
     if not live.enabled:

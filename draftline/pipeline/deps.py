@@ -1,6 +1,6 @@
 """What a stage's outputs depend on besides its data and config: recorded, never listed.
 
-    python -m draftline.pipeline.deps files draftline.tiny.trained   # project files, one a line
+    python -m draftline.pipeline.deps files draftline.cli.trained_target   # project files, one a line
     python -m draftline.pipeline.deps show runs/tiny/extract            # recorded vs current, by name
 
 When a stage finishes, :func:`loaded` records from the running process itself

@@ -1,8 +1,8 @@
 """What decides a run's numbers on this machine: set it from config, and record it.
 
-``apply`` runs before a stage's work (stage.run_stage, tiny.trained): torch's intra-op thread
-count from ``numerics.torch_threads`` (a CPU reduction splits by thread, so another count sums
-in another order), and deterministic algorithms. ``describe`` is what every manifest records:
+``apply`` runs before a stage's work (stage.run_stage, cli.trained_target): torch's intra-op
+thread count from ``numerics.torch_threads`` (a CPU reduction splits by thread, so another count
+sums in another order), and deterministic algorithms. ``describe`` is what every manifest records:
 the interpreter, the thread counts, the CPU model and its vector ISA flags (oneDNN and MKL pick
 kernels by ISA), the GPU, its driver and the CUDA and cuDNN versions.
 """

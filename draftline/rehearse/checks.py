@@ -4,12 +4,12 @@
   generator started by extract's ``make_generator``, extract's own writer writing real
   shards); every slot of every sample compared with transformers on the same miniature: the
   row must be nearest to the layer input it names, within the dtype's tolerance.
-* speculative decoding: evaluate's measurement (draftline.serve.jobs.measure_replies, the draft in
-  vLLM, greedy, one prompt at a time) against the plain engine's greedy decode of the same
+* speculative decoding: evaluate's measurement (draftline.speculative.jobs.measure_replies, the
+  draft in vLLM, greedy, one prompt at a time) against the plain engine's greedy decode of the same
   prompts; replies may differ in at most ``max_text_mismatches`` (evaluate's allowance for
   floating-point near-ties).
-* `vllm serve`: make serve's command line (draftline.serve.jobs.serve_command) of miniature and
-  draft, until it answers one completion request.
+* `vllm serve`: make serve's command line (draftline.speculative.jobs.serve_command) of
+  miniature and draft, until it answers one completion request.
 
 A failing check raises: the rehearsal stops there, its traceback ends the stage non-zero.
 """
@@ -309,7 +309,7 @@ def prompts_of(samples: list[list[int]], masks: list[list[int]], max_prompt: int
 def speculative(options, draft: Path, k: int, prompts: list[list[int]], max_tokens: int,
                 stop_ids: list[int], max_mismatches: int) -> tuple[dict, str]:
     """The draft in vLLM, greedy, against the plain engine's greedy decode."""
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
     from draftline.evaluate.in_vllm import first_difference
 
     caps = [max_tokens] * len(prompts)
@@ -388,7 +388,7 @@ def harmony_vocab_loads(model_type: str) -> None:
 def serving(options, draft: Path, k: int, prompt: list[int], max_tokens: int, log_path: Path,
             timeout: float) -> tuple[dict, str]:
     """`vllm serve` of miniature + draft (make serve's command line) answers one completion."""
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     harmony_vocab_loads(json.loads((Path(options.target) / "config.json").read_text()).get("model_type", ""))
     port = _free_port()

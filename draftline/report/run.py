@@ -36,7 +36,7 @@ def run(cfg: DictConfig) -> dict:
         with artifacts.atomic_path(out_dir / figure.name) as tmp:
             tmp.write_bytes(figure.png)
     title = cfg.report.title or f"draftline run {cfg.exp}"
-    # A target trained by draftline.tiny.trained carries its build record.
+    # A target trained by draftline.cli.trained_target carries its build record.
     build = Path(manifests["extract"]["target"]) / "build.json"
     target_build = artifacts.read_json(build) if build.exists() else None
     # Name the draft by the run's link (runs/<EXP>/draft, what make serve serves) when it is that one.

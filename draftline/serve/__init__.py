@@ -1,1 +1,1 @@
-"""serve's library: the target with its draft in vLLM, measured in child processes, and `make serve`'s command."""
+"""serve's library: `make serve`'s `vllm serve` of the run's target with its draft."""

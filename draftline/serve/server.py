@@ -54,7 +54,7 @@ def server_command(cfg: DictConfig) -> tuple[list[str], dict[str, str], list[dic
     the engine evaluate measured (with why), checked before anything starts."""
     from draftline import engine
     from draftline.evaluate.rollout import num_speculative_tokens
-    from draftline.serve import jobs
+    from draftline.speculative import jobs
 
     train = artifacts.read_manifest(config.stage_dir(cfg, "train"))
     draft = Path(cfg.serve.draft or train["draft"])

@@ -1,1 +1,1 @@
-"""The project's own inputs: tiny random targets, the trained tiny target, the embedded data."""
+"""The project's own inputs: tiny random targets, the embedded data."""

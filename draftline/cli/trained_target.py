@@ -1,6 +1,6 @@
 """A tiny Llama target trained briefly on the embedded corpus, so its drafts mean something.
 
-    python -m draftline.tiny.trained experiment=tiny-trained     # or: make target
+    python -m draftline.cli.trained_target experiment=tiny-trained     # or: make target
 
 A random target's greedy token is nearly a fixed function of the current token (its random
 layers barely mix context), so a bigram table predicts it as well as any EAGLE draft and
@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 from draftline.pipeline import artifacts
 
-log = logging.getLogger("draftline.tiny.trained")
+log = logging.getLogger("draftline.cli.trained_target")
 BUILD_RECORD = "build.json"
 
 
@@ -212,7 +212,7 @@ def build_trained_target(cfg: DictConfig) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m draftline.tiny.trained experiment=NAME [overrides]``; fails loudly."""
+    """``python -m draftline.cli.trained_target experiment=NAME [overrides]``; fails loudly."""
     from draftline.pipeline import config
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

@@ -8,7 +8,7 @@ tokens of each verification step (one request at a time, so each step is one dra
 ``serve_command`` is the `vllm serve` command line `make serve` runs.
 
 vLLM sets up process-global state, so measurements run in a child process
-(``python -m draftline.serve.jobs <job> REQUEST OUT``) and hand back JSON.
+(``python -m draftline.speculative.jobs <job> REQUEST OUT``) and hand back JSON.
 """
 
 from __future__ import annotations
@@ -324,8 +324,8 @@ def speculative_and_plain(options: EngineOptions, draft: str | Path, k: int,
 
 
 def main(argv: list[str], jobs: dict | None = None, module: str = __name__) -> None:
-    """``python -m draftline.serve.jobs JOB REQUEST OUT``: the child side of ``run_job`` (another
-    module's ``main`` passes its own ``jobs``)."""
+    """``python -m draftline.speculative.jobs JOB REQUEST OUT``: the child side of ``run_job``
+    (another module's ``main`` passes its own ``jobs``)."""
     jobs = JOBS if jobs is None else jobs
     if len(argv) != 3 or argv[0] not in jobs:
         raise SystemExit(f"usage: python -m {module} {{{','.join(jobs)}}} REQUEST OUT")
