@@ -105,3 +105,25 @@ def test_the_torch_layout_of_parallel_drafting_inputs_has_the_kernels_regions():
     assert rejected.tolist() == [False] * 10 + [True]
     assert sample.tolist() == [2, 3, 4, 7, 8, 9]
     assert mapping.tolist() == [0, 1, 2, 5, 6, 7, 8]
+
+
+def test_the_drafting_cost_benchmark_drafts_k_tokens_each_way():
+    """benchmarks/draft_passes.py (the H200 table in docs/results.md) on CPU: both modes give k
+    draft tokens per request, the sequential one from k passes over a cache that grows by
+    one token a pass, the parallel one from one pass over the verified tokens and k-1 masks."""
+    from benchmarks import draft_passes
+
+    device, dtype = torch.device("cpu"), torch.bfloat16
+    draft = draft_passes.Draft("tiny", device, dtype, max_batch=2, max_len=64)
+    calls = []
+    forward = draft.forward
+    draft.forward = lambda tokens, feats, start: calls.append((tokens.shape[1], start)) or forward(tokens, feats, start)
+    k, accepted, context = 4, 3, 32
+    for mode in ("sequential", "parallel"):
+        calls.clear()
+        out = draft_passes.step_fn(draft, mode, 2, k, accepted, context, device, dtype)()
+        assert out.shape == (2, k) and out.dtype == torch.long
+        if mode == "sequential":
+            assert calls == [(accepted, context)] + [(1, context + accepted + j - 1) for j in range(1, k)]
+        else:
+            assert calls == [(accepted + k - 1, context)]
