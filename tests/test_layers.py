@@ -21,7 +21,8 @@ FLOORS = {
     "draftline.pipeline": 1,
     # the formats on disk, the target's config, the project's own tiny inputs
     "draftline.formats": 2, "draftline.target": 2, "draftline.tiny.embedded": 2,
-    "draftline.tiny": 2, "draftline.tiny.targets": 2,
+    "draftline.tiny": 2, "draftline.tiny.tokenizer": 2, "draftline.tiny.builders": 2,
+    "draftline.tiny.kimi_k25": 2, "draftline.tiny.reference": 2,
     # packaged public data: a real pretrained target, benchmark and training prompts
     "draftline.public": 2,
     "draftline.engine": 3, "draftline.tokenize": 3,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.tiny import targets
+from draftline.tiny import tokenizer as tiny_tokenizer
 from draftline.tokenize import chat
 from draftline.errors import DataError
 from draftline.tokenize.conversations import DEFAULT_ROLES
@@ -20,7 +20,7 @@ QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tok") / "model"
-    targets.build_tokenizer(directory)
+    tiny_tokenizer.build_tokenizer(directory)
     return directory
 
 
@@ -224,7 +224,7 @@ def test_as_generated_keeps_the_embedded_runs_samples(tmp_path):
     """EXP=tiny and EXP=tiny-trained tokenize the embedded set with tiny-llama's tokenizer."""
     from draftline.tiny.embedded import write_conversations
 
-    targets.build_tokenizer(tmp_path / "tok")  # tiny-llama's: the default corpus
+    tiny_tokenizer.build_tokenizer(tmp_path / "tok")  # tiny-llama's: the default corpus
     data = tmp_path / "conversations.jsonl"
     write_conversations(data)
     template = run(tmp_path / "tok", data, budget=0, seq_length=512)

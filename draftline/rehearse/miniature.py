@@ -38,11 +38,11 @@ from pathlib import Path
 from draftline import target
 from draftline.pipeline.artifacts import atomic_dir
 from draftline.rehearse import wrappers
-from draftline.tiny import targets
+from draftline.tiny import builders, kimi_k25, reference
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")  # built as transformers' DeepseekV3
-WRAPPER_PREFIX = {"kimi_k25": targets.KIMI_K25_LANGUAGE_PREFIX,  # text weights under this prefix
+WRAPPER_PREFIX = {"kimi_k25": kimi_k25.KIMI_K25_LANGUAGE_PREFIX,  # text weights under this prefix
                   "llama4": "language_model."}
 LLAMA4_TEXT = "llama4_text"  # Llama 4's text_config (the wrapper's model_type is "llama4")
 # Files that hold weights (or their index): never opened, never copied.
@@ -446,7 +446,7 @@ def _text_model(text: dict, seed: int):
     from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
     config = hf_config(text)
-    with targets._seeded(seed):
+    with builders.seeded(seed):
         if text.get("model_type") in DEEPSEEK_TYPES:
             model = DeepseekV3ForCausalLM(config)
             with torch.no_grad():  # the routing bias vLLM's noaux_tc loader expects, exercised
@@ -588,7 +588,7 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
             state.update(_kimi_vision(mini, seed, dtype))
             if not (tmp / "preprocessor_config.json").exists():
                 (tmp / "preprocessor_config.json").write_text(
-                    json.dumps(targets.KIMI_K25_PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
+                    json.dumps(kimi_k25.KIMI_K25_PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
         if model_type == "llama4":
             state.update(_llama4_vision(mini, seed, dtype))
         save_file(dict(sorted(state.items())), str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -597,12 +597,12 @@ def build_miniature(target_dir: str | Path, out_dir: str | Path, aux_layer_ids: 
 
 
 def _kimi_vision(config: dict, seed: int, dtype: str) -> dict:
-    """MoonViT tower and projector weights in vLLM's config classes' shapes (draftline.tiny.targets)."""
+    """MoonViT tower and projector weights in vLLM's config classes' shapes (draftline.tiny.kimi_k25)."""
     import torch
     from vllm.transformers_utils.configs.kimi_k25 import KimiK25Config  # config class only
 
     parsed = KimiK25Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    weights = targets._kimi_k25_vision_weights(parsed.vision_config, parsed.text_config.hidden_size, seed)
+    weights = kimi_k25.kimi_k25_vision_weights(parsed.vision_config, parsed.text_config.hidden_size, seed)
     return {name: tensor.to(getattr(torch, dtype)) for name, tensor in weights.items()}
 
 
@@ -614,7 +614,7 @@ def _llama4_vision(config: dict, seed: int, dtype: str) -> dict:
     from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
 
     parsed = Llama4Config(text_config=config["text_config"], vision_config=config["vision_config"])
-    with targets._seeded(seed + 1):  # its own stream: the text weights stay those of seed
+    with builders.seeded(seed + 1):  # its own stream: the text weights stay those of seed
         modules = {"vision_model.": Llama4VisionModel(parsed.vision_config),
                    "multi_modal_projector.": Llama4MultiModalProjector(parsed)}
     return {prefix + name: tensor.to(getattr(torch, dtype))
@@ -637,7 +637,7 @@ def load_reference(model_dir: str | Path):
     if wrappers.is_wrapper(config):
         return wrappers.load_reference(model_dir), None
     if model_type == "kimi_k25":
-        return targets.load_hf_kimi_k25_language_model(model_dir), None
+        return kimi_k25.load_hf_kimi_k25_language_model(model_dir), None
     if model_type in DEEPSEEK_TYPES or model_type in WRAPPER_PREFIX:
         prefix = WRAPPER_PREFIX.get(model_type, "")
         model = _text_model(text, 0).to(torch.float32)
@@ -646,12 +646,12 @@ def load_reference(model_dir: str | Path):
                                    if n.startswith(prefix)}, strict=True)
         model.config._attn_implementation = "eager"
         return model.eval(), None
-    return targets.load_hf_model(model_dir), None
+    return reference.load_hf_model(model_dir), None
 
 
 def reference_hidden_states(model, token_ids: list[int]) -> list:
     """transformers' hidden states of one sequence: entry k < L the input of layer k, entry L
-    the final state after the norm (draftline.tiny.targets.hf_hidden_states), each [T, H]
+    the final state after the norm (draftline.tiny.reference.hf_hidden_states), each [T, H]
     float32; the decoder stack alone, so no [T, vocab] logits are made."""
     import torch
 

@@ -124,10 +124,10 @@ def _model_class(config: dict):
 
 def build(config: dict, seed: int):
     """transformers' wrapper model of the miniature's ``config``: random weights from ``seed``."""
-    from draftline.tiny import targets
+    from draftline.tiny.builders import seeded
 
     hf = _config(config)
-    with targets._seeded(seed):
+    with seeded(seed):
         model = _model_class(config)(hf)
     return model.eval()
 
