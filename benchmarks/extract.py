@@ -172,7 +172,7 @@ def main() -> None:
         capture.main(args)
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_gib)
-    from draftline.tiny import targets
+    from draftline.tiny import builders
 
     if args.capture_path:
         capture_path(args)
@@ -181,7 +181,7 @@ def main() -> None:
     batch = prompts(args)
     tokens = sum(len(ids) for ids in batch)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = targets.build_tiny_llama(
+        model_dir = builders.build_tiny_llama(
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
             num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
             intermediate_size=args.hidden * 8 // 3 // 64 * 64, vocab_size=args.vocab)
@@ -306,13 +306,13 @@ def capture_run(model_dir: Path, batch: list[list[int]], args, storage: str, pat
 
 def capture_path(args) -> None:
     from draftline.extract import shards
-    from draftline.tiny import targets
+    from draftline.tiny import builders
 
     batch = prompts(args)
     tokens = sum(len(ids) for ids in batch)
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in STORAGE for p in WRITERS}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = targets.build_tiny_llama(
+        model_dir = builders.build_tiny_llama(
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=1,
             num_kv_heads=1, head_dim=128, intermediate_size=128, vocab_size=args.vocab)
         for _ in range(args.repeats):  # interleaved: the box's load moves between runs

@@ -27,7 +27,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from chat_families import family_tokenizer  # noqa: E402
 from test_tool_traces import marked, mixed_records  # noqa: E402
 
-from draftline.tiny import targets  # noqa: E402
+from draftline.tiny import tokenizer  # noqa: E402
 from draftline.tokenize.windows import encode_windows  # noqa: E402
 from draftline.tokenize.conversations import DEFAULT_ROLES  # noqa: E402
 from draftline.tokenize.encode import Budget, TokenizeSettings, tokenize_source  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--embedded", type=Path, help="a thinking target's directory (its tokenizer)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = targets.build_tokenizer(Path(tmp) / "base")
+        base = tokenizer.build_tokenizer(Path(tmp) / "base")
         for family in FAMILIES:
             tok = family_tokenizer(base, family)
             print(f"== {family}-style template: a two-turn record, [[trained]]")

@@ -212,14 +212,14 @@ def main() -> None:
         print(json.dumps(measure(*args.measure, args.workers[0], args.seq_length)))
         return
 
-    from draftline.tiny import targets
+    from draftline.tiny import builders
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
         data, model = Path(tmp) / "sharegpt.jsonl", Path(tmp) / "model"
         quirks = generate(data, args.conversations)
         print(f"generated {args.conversations} conversations ({data.stat().st_size / 2**20:.1f} MiB), "
               f"quirks: {dict(sorted((str(k), v) for k, v in quirks.items()))}", flush=True)
-        targets.build_tiny_llama(model)
+        builders.build_tiny_llama(model)
         rows = []
         for fmt in args.formats:
             path = convert(data, fmt)

@@ -2,7 +2,7 @@
 
 Every other test runs vLLM at TP=1, float32, eager; the flagship run takes the other branch at
 each of those forks. This runs, for the tiny Llama, DeepseekV3 and Kimi-K2.5 targets
-(``draftline.tiny.targets``, float32 weights), with the engine options of ``draftline.engine``
+(``draftline.tiny.builders`` and ``draftline.tiny.kimi_k25``, float32 weights), with the engine options of ``draftline.engine``
 (the project's thread binding split over the TP ranks):
 
 * extraction (speculators' patched generator, as extract starts it): TP=1 float32 (the
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -88,16 +89,16 @@ KIMI_TEXT_ONLY = {"vision_chunk": 0}
 @dataclasses.dataclass(frozen=True)
 class Model:
     name: str
-    build: str            # draftline.tiny.targets builder
+    build: str            # its draftline.tiny builder, as module.function
     num_layers: int
     aux_ids: tuple[int, ...]
     mm_limits: dict | None = None
 
 
 MODELS = {
-    "llama": Model("llama", "build_tiny_llama", 6, (2, 3, 4)),
-    "deepseek-v3": Model("deepseek-v3", "build_tiny_deepseek_v3", 4, (1, 2, 3)),
-    "kimi-k2.5": Model("kimi-k2.5", "build_tiny_kimi_k25", 4, (1, 2, 3), KIMI_TEXT_ONLY),
+    "llama": Model("llama", "builders.build_tiny_llama", 6, (2, 3, 4)),
+    "deepseek-v3": Model("deepseek-v3", "builders.build_tiny_deepseek_v3", 4, (1, 2, 3)),
+    "kimi-k2.5": Model("kimi-k2.5", "kimi_k25.build_tiny_kimi_k25", 4, (1, 2, 3), KIMI_TEXT_ONLY),
 }
 EXTRACTIONS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "bf16": {"dtype": "bfloat16"}}
 SPECULATIVE = {"eager-tp1": {}, "compiled": {"enforce_eager": False},
@@ -261,18 +262,20 @@ def run_model(model: Model, root: Path, branches: dict | None = None, reuse: boo
     from safetensors.torch import load_file
     from transformers import GenerationConfig
 
-    from draftline.tiny import targets
+    from draftline.tiny import reference
     from harness import drafts
 
     root.mkdir(parents=True, exist_ok=True)
-    target = getattr(targets, model.build)(root / "target", num_layers=model.num_layers)
-    hf_model = targets.load_hf_model(target)
+    module, _, builder = model.build.rpartition(".")
+    build = getattr(importlib.import_module(f"draftline.tiny.{module}"), builder)
+    target = build(root / "target", num_layers=model.num_layers)
+    hf_model = reference.load_hf_model(target)
     vocab = int(hf_model.config.vocab_size)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(7, vocab, (n,), generator=g).tolist() for n in EXTRACT_LENGTHS]
-    hf = [targets.hf_hidden_states(hf_model, p) for p in prompts]
+    hf = [reference.hf_hidden_states(hf_model, p) for p in prompts]
     hf_bf16_model = copy.deepcopy(hf_model).to(torch.bfloat16)
-    hf_bf16 = [targets.hf_hidden_states(hf_bf16_model, p) for p in prompts]
+    hf_bf16 = [reference.hf_hidden_states(hf_bf16_model, p) for p in prompts]
     del hf_bf16_model
     wanted = [*model.aux_ids, model.num_layers]  # aux slots, then the final (normed) state
     slots = len(wanted)

@@ -19,10 +19,10 @@ def overfit_draft(target_dir, target, sequences: Sequence[torch.Tensor], aux_ids
                   out_dir: Path, steps: int = 150, draft_vocab_size: int = 128) -> Path:
     """An EAGLE-3 draft for ``target_dir`` trained ``steps`` full-batch steps on ``sequences``
     (token tensors), saved in speculators' format in ``out_dir``. ``target`` is the loaded
-    transformers model (``targets.load_hf_model``)."""
+    transformers model (``draftline.tiny.reference.load_hf_model``)."""
     from speculators.train.data import create_collate_fn, shift_batch
 
-    from draftline.tiny import targets
+    from draftline.tiny import reference
     from draftline.tokenize import vocab
     from draftline.train.draft import build_draft
     from draftline.train.loop import make_session
@@ -30,7 +30,7 @@ def overfit_draft(target_dir, target, sequences: Sequence[torch.Tensor], aux_ids
 
     rows = []
     for tokens in sequences:
-        hidden = targets.hf_hidden_states(target, tokens.tolist())
+        hidden = reference.hf_hidden_states(target, tokens.tolist())
         rows.append(shift_batch({
             "hidden_states": torch.cat([hidden[i] for i in aux_ids], -1),
             "verifier_last_hidden_states": hidden[-1], "input_ids": tokens,

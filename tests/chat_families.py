@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 
-# Kimi's: the tiny thinking target (draftline/tiny/targets.py, chat="kimi") carries the same.
+# Kimi's: the tiny thinking target (draftline/tiny/tokenizer.py, chat="kimi") carries the same.
 from draftline.tiny.templates import KIMI_SPECIALS, KIMI_TEMPLATE  # noqa: E402
 
 QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",

@@ -29,10 +29,10 @@ def copy_repo(dst: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    """The tiny random Llama target (draftline.tiny.targets), built once per session."""
-    from draftline.tiny import targets
+    """The tiny random Llama target (draftline.tiny.builders), built once per session."""
+    from draftline.tiny import builders
 
-    return targets.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
+    return builders.build_tiny_llama(tmp_path_factory.mktemp("target") / "model")
 
 
 @contextlib.contextmanager

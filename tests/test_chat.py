@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Tokenizer, PreTrainedTokenizer, PreTrainedTokenizerFast
 
-from draftline.tiny import targets
+from draftline.tiny import tokenizer as tiny_tokenizer
 from draftline.tokenize.chat import (
     ChatTemplateError,
     EmptyLossMaskError,
@@ -26,7 +26,7 @@ from draftline.tiny.embedded import write_conversations
 from draftline.errors import DataError
 from draftline.tokenize.conversations import load_conversations
 
-END = targets.END
+END = tiny_tokenizer.END
 CONVERSATION = [
     {"role": "system", "content": "Answer in one line."},
     {"role": "user", "content": "What does `json.dumps` do?"},
@@ -49,13 +49,13 @@ def slow_twin(fast_dir: Path, out_dir: Path) -> GPT2Tokenizer:
     slow = GPT2Tokenizer(
         str(out_dir / "vocab.json"),
         str(out_dir / "merges.txt"),
-        bos_token=targets.BOS,
-        eos_token=targets.EOS,
-        pad_token=targets.PAD,
+        bos_token=tiny_tokenizer.BOS,
+        eos_token=tiny_tokenizer.EOS,
+        pad_token=tiny_tokenizer.PAD,
         unk_token=None,
-        additional_special_tokens=targets.SPECIAL_TOKENS[3:],
+        additional_special_tokens=tiny_tokenizer.SPECIAL_TOKENS[3:],
     )
-    slow.chat_template = targets.CHAT_TEMPLATE
+    slow.chat_template = tiny_tokenizer.CHAT_TEMPLATE
     return slow
 
 
@@ -119,7 +119,7 @@ PLAIN_CONVERSATION = [
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
-    fast = targets.build_tokenizer(root / "fast")
+    fast = tiny_tokenizer.build_tokenizer(root / "fast")
     return fast, slow_twin(root / "fast", root / "slow")
 
 
@@ -179,7 +179,7 @@ def test_mask_covers_exactly_assistant_content_and_end(tokenizers, which):
     for message in CONVERSATION:
         if message["role"] != "assistant":
             assert message["content"] in rest
-    assert rest.endswith(targets.ASSISTANT) and tok.decode(ids, skip_special_tokens=False).startswith(targets.BOS)
+    assert rest.endswith(tiny_tokenizer.ASSISTANT) and tok.decode(ids, skip_special_tokens=False).startswith(tiny_tokenizer.BOS)
 
 
 def test_fast_and_slow_agree_with_each_other_and_with_generation_blocks(tokenizers, default_conversations):
@@ -263,13 +263,13 @@ def test_unrecoverable_tokenizer_raises_naming_the_sample():
 def test_history_rewriting_template_is_masked_by_content_search(fast):
     # Only the *last* assistant turn gets an empty think block, as reasoning
     # templates do; earlier renders are then not prefixes of the full one.
-    template = targets.CHAT_TEMPLATE.replace(
+    template = tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- message['content'] + '<|end|>' -}}",
         "{%- if loop.last -%}{{- '<think></think>' -}}{%- endif -%}{{- message['content'] + '<|end|>' -}}",
     )
     tok = with_template(fast, template)
     full, spans = assistant_char_spans(tok, CONVERSATION)
-    assert full.startswith(targets.BOS) and fast.chat_template == targets.CHAT_TEMPLATE
+    assert full.startswith(tiny_tokenizer.BOS) and fast.chat_template == tiny_tokenizer.CHAT_TEMPLATE
     assert [full[a:b] for a, b in spans] == [
         CONVERSATION[2]["content"] + END,
         "<think></think>" + CONVERSATION[4]["content"] + END,
@@ -281,7 +281,7 @@ def test_history_rewriting_template_is_masked_by_content_search(fast):
 def test_generation_prompt_differing_from_history_is_excluded(fast):
     # The prompt opens a think block that history never shows: the span starts
     # where prompt and history diverge, right after the role header.
-    template = targets.CHAT_TEMPLATE.replace(
+    template = tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- '<|assistant|>' -}}{%- endif -%}", "{{- '<|assistant|><think>' -}}{%- endif -%}"
     )
     tok = with_template(fast, template)
@@ -343,7 +343,7 @@ def test_error_messages_name_the_sample_or_the_conversation(fast):
 
 def test_only_system_turns_give_no_spans(fast):
     full, spans = assistant_char_spans(fast, turns(("system", "s")))
-    assert (full, spans) == (targets.BOS + targets.SYSTEM + "s" + END, [])
+    assert (full, spans) == (tiny_tokenizer.BOS + tiny_tokenizer.SYSTEM + "s" + END, [])
 
 
 class ListRenderingTokenizer(CharTokenizer):
@@ -413,7 +413,7 @@ def test_segments_accept_a_lossy_decode_that_the_whole_encoding_shares():
 
 
 def test_decode_keeps_special_tokens_and_spaces(fast):
-    text = targets.BOS + "a , b . c" + END
+    text = tiny_tokenizer.BOS + "a , b . c" + END
     assert chat._decode(fast, fast(text, add_special_tokens=False)["input_ids"]) == text
     tidy = CharTokenizer(clean_up_tokenization_spaces=True)  # a tokenizer that tidies by default
     assert tidy.decode(tidy("a , b .")["input_ids"]) == "a, b."
@@ -453,8 +453,8 @@ def test_fast_tokenizer_masks_by_offsets_without_prefix_encodes(fast, monkeypatc
     assert by_offsets == chat._mask_by_prefix(fast, full, spans) == (expected.input_ids, expected.loss_mask)
     assert spans[-1][1] == len(full)  # the last span ends at the end of the text
     # A boundary inside a token ("<|system|>" is one token) makes the shortcut give up.
-    assert chat._mask_by_offsets(fast, full, [(0, len(targets.BOS) + 3)]) is None
-    assert chat._mask_by_offsets(fast, full, [(len(targets.BOS) + 3, len(full))]) is None
+    assert chat._mask_by_offsets(fast, full, [(0, len(tiny_tokenizer.BOS) + 3)]) is None
+    assert chat._mask_by_offsets(fast, full, [(len(tiny_tokenizer.BOS) + 3, len(full))]) is None
     # An empty span at either end of the text (a reply that renders to nothing) is a clean boundary.
     nothing = (expected.input_ids, [0] * len(expected.input_ids))
     assert chat._mask_by_offsets(fast, full, [(len(full), len(full))]) == nothing
@@ -487,14 +487,14 @@ def test_offsets_shortcut_can_be_turned_off(tokenizers, monkeypatch):
 def test_content_search_starts_after_the_history_and_takes_the_first_hit(fast):
     # The reply "OK" also occurs in the user turns before and after it, and the render of
     # messages[:3] (reasoning on its last turn) is not a prefix of the whole conversation.
-    tok = with_template(fast, targets.CHAT_TEMPLATE.replace(
+    tok = with_template(fast, tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- message['content'] + '<|end|>' -}}",
         "{%- if loop.last -%}{{- '<think></think>' -}}{%- endif -%}{{- message['content'] + '<|end|>' -}}"))
     messages = turns(("system", "Be brief."), ("user", "Reply OK!"), ("assistant", "OK"),
                      ("user", "Again: OK!"), ("assistant", "OK"))
     full, spans = assistant_char_spans(tok, messages)
-    first = full.index(targets.ASSISTANT) + len(targets.ASSISTANT)
-    second = full.rindex(targets.ASSISTANT) + len(targets.ASSISTANT)
+    first = full.index(tiny_tokenizer.ASSISTANT) + len(tiny_tokenizer.ASSISTANT)
+    second = full.rindex(tiny_tokenizer.ASSISTANT) + len(tiny_tokenizer.ASSISTANT)
     assert spans == [(first, first + len("OK" + END)), (second, len(full))]
     assert full[second:] == "<think></think>OK" + END
 
@@ -503,12 +503,12 @@ def test_a_prefix_span_reaching_back_into_the_previous_reply_is_searched_for(fas
     # Two replies in a row under a reasoning template: the prompt render of messages[:2] shows
     # the first reply with its think block, so the second reply's prefix span would start at
     # the first reply's content; the search after the first span finds the right one.
-    tok = with_template(fast, targets.CHAT_TEMPLATE.replace(
+    tok = with_template(fast, tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- message['content'] + '<|end|>' -}}",
         "{%- if loop.last -%}{{- '<think></think>' -}}{%- endif -%}{{- message['content'] + '<|end|>' -}}"))
     messages = turns(("user", "q"), ("assistant", "OK"), ("assistant", "OK"))
     full, spans = assistant_char_spans(tok, messages)
-    assert full == targets.BOS + targets.USER + "q" + END + targets.ASSISTANT + "OK" + END + targets.ASSISTANT \
+    assert full == tiny_tokenizer.BOS + tiny_tokenizer.USER + "q" + END + tiny_tokenizer.ASSISTANT + "OK" + END + tiny_tokenizer.ASSISTANT \
         + "<think></think>OK" + END
     first = full.index("OK")
     # The second reply's span starts after its generation prompt, so it keeps the think block
@@ -519,7 +519,7 @@ def test_a_prefix_span_reaching_back_into_the_previous_reply_is_searched_for(fas
 def test_generation_prompt_overlapping_the_reply_is_searched_from_the_history(fast):
     # The prompt opens "<think>" and the reply starts with its own "<think>": the prefix boundary
     # is unreliable, the search must start before the prompt's text.
-    tok = with_template(fast, targets.CHAT_TEMPLATE.replace(
+    tok = with_template(fast, tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- '<|assistant|>' -}}{%- endif -%}", "{{- '<|assistant|><think>' -}}{%- endif -%}"))
     messages = turns(("user", "q"), ("assistant", "<think>x</think>y"))
     full, spans = assistant_char_spans(tok, messages)
@@ -528,7 +528,7 @@ def test_generation_prompt_overlapping_the_reply_is_searched_from_the_history(fa
 
 def test_reply_missing_from_the_render_names_the_sample(fast):
     # This template drops the content of every reply but the last from history.
-    tok = with_template(fast, targets.CHAT_TEMPLATE.replace(
+    tok = with_template(fast, tiny_tokenizer.CHAT_TEMPLATE.replace(
         "{{- message['content'] + '<|end|>' -}}",
         "{%- if loop.last -%}{{- message['content'] -}}{%- endif -%}{{- '<|end|>' -}}"))
     reply = "A reply long enough that the message quotes only its first sixty characters."
@@ -554,10 +554,10 @@ PROMPT_NEEDED = ("{%- if not add_generation_prompt and messages[-1]['role'] == '
     (PROMPT_NEEDED, "messages[:1] (add_generation_prompt=False): TemplateError: prompt needed"),
 ])
 def test_failing_prefix_renders_name_the_sample(fast, guard, expected):
-    template = guard + targets.CHAT_TEMPLATE
+    template = guard + tiny_tokenizer.CHAT_TEMPLATE
     messages = turns(("user", "q"), ("assistant", "a"), ("user", "r"))
     if guard == PROMPT_NEEDED:  # reached through the content search (history is rewritten)
-        template = guard + targets.CHAT_TEMPLATE.replace(
+        template = guard + tiny_tokenizer.CHAT_TEMPLATE.replace(
             "{{- message['content'] + '<|end|>' -}}",
             "{%- if loop.last -%}{{- '<think></think>' -}}{%- endif -%}{{- message['content'] + '<|end|>' -}}")
         messages = turns(("user", "q"), ("assistant", "a"), ("user", "r"), ("assistant", "b"))
@@ -681,7 +681,7 @@ def test_windows_without_any_reply_raise(fast):
 def test_a_window_that_fails_to_render_names_the_sample(fast):
     # Renders fine from the first user turn, refuses a window that starts at a later one.
     tok = with_template(fast, "{%- if messages[1]['content'] == 'Short?' -%}"
-                              "{{- raise_exception('window') -}}{%- endif -%}" + targets.CHAT_TEMPLATE)
+                              "{{- raise_exception('window') -}}{%- endif -%}" + tiny_tokenizer.CHAT_TEMPLATE)
     first = len(encode_conversation(tok, LONG_CONVERSATION[:3], 10**6).input_ids)  # exchange 1 alone
     with pytest.raises(ChatTemplateError, match=r"^sample 6: chat template failed on messages\[:\d+\] "
                                                 r"\(add_generation_prompt=False\): TemplateError: window$"):

@@ -38,7 +38,8 @@ import pytest
 
 from conftest import environment, require_cuda
 from draftline.rehearse.checks import FLIPPED_SHARE, TOLERANCE, compare_rows, judge
-from draftline.tiny import targets
+from draftline.tiny import builders, kimi_k25
+from draftline.tiny import reference as tiny_reference
 from test_extraction import _make_generator
 from test_serving import KIMI_TEXT_ONLY, MAX_TOKENS, PROMPT_LENGTHS, _capture_prompt, _family, _prompts
 
@@ -46,9 +47,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 MLA_DIMS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 FAMILIES = {  # builder, layers, aux ids (layer 0 dense, the rest MoE), builder kwargs
-    "llama": (targets.build_tiny_llama, 6, [1, 3, 4], {}),
-    "deepseek": (targets.build_tiny_deepseek_v3, 4, [1, 2, 3], MLA_DIMS),
-    "kimi": (targets.build_tiny_kimi_k25, 4, [1, 2, 3], MLA_DIMS),
+    "llama": (builders.build_tiny_llama, 6, [1, 3, 4], {}),
+    "deepseek": (builders.build_tiny_deepseek_v3, 4, [1, 2, 3], MLA_DIMS),
+    "kimi": (kimi_k25.build_tiny_kimi_k25, 4, [1, 2, 3], MLA_DIMS),
 }
 GPU_ENGINE = {"dtype": "bfloat16", "gpu_memory_utilization": 0.3}  # GPU memory fraction
 NEAR_TIE = 0.05  # nats: a bf16 logit pair closer than this may swap between GEMM shapes
@@ -86,7 +87,7 @@ def family(request, tmp_path_factory, cuda_env):
     prompts = [*_prompts(), _capture_prompt()]
     served = _family(target, aux_ids, enforce_eager=False, logprobs=2, **GPU_ENGINE,
                      **_engine_kwargs(name))
-    return {**served, "name": name, "prompts": prompts, "hf": targets.load_hf_model(target),
+    return {**served, "name": name, "prompts": prompts, "hf": tiny_reference.load_hf_model(target),
             "extracted": _extract(target, aux_ids, name, prompts)}
 
 
@@ -95,7 +96,7 @@ def _assert_rows_match_hf(family: dict, extracted: dict) -> list[float]:
 
     per_slot = [[] for _ in range(len(family["aux_ids"]) + 1)]
     for prompt, slots in zip(family["prompts"], extracted["rows"], strict=True):
-        reference = targets.hf_hidden_states(family["hf"], prompt)  # num_layers + 1 entries
+        reference = tiny_reference.hf_hidden_states(family["hf"], prompt)  # num_layers + 1 entries
         for slot, e in enumerate(compare_rows(torch.stack(slots, dim=1).cpu(), reference, family["aux_ids"])):
             per_slot[slot].append(e)
     summary = judge([torch.cat(e) for e in per_slot], TOLERANCE["other"], FLIPPED_SHARE["other"])

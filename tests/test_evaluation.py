@@ -556,7 +556,7 @@ def test_baselines_from_training_counts(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny random target, and a random draft for it saved in speculators format."""
-    from draftline.tiny import targets as tiny
+    from draftline.tiny import builders as tiny
     from draftline.tokenize import vocab
     from draftline.train.draft import build_draft
 

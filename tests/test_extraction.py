@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import environment
-from draftline.tiny import targets
+from draftline.tiny import builders, kimi_k25
+from draftline.tiny import reference as tiny_reference
 
 pytestmark = pytest.mark.vllm
 
@@ -72,20 +73,20 @@ def _built_engine(tmp_path_factory, name, builder, num_layers, aux_ids):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, cpu_engine_env):
-    yield from _built_engine(tmp_path_factory, "llama", targets.build_tiny_llama,
+    yield from _built_engine(tmp_path_factory, "llama", builders.build_tiny_llama,
                              NUM_LLAMA_LAYERS, LLAMA_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory, cpu_engine_env):
-    yield from _built_engine(tmp_path_factory, "dsv3", targets.build_tiny_deepseek_v3,
+    yield from _built_engine(tmp_path_factory, "dsv3", builders.build_tiny_deepseek_v3,
                              NUM_DSV3_LAYERS, DSV3_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory, cpu_engine_env):
     """The tiny Kimi-K2.5 wrapper, text-only (patches/speculators/0005's limit_mm_per_prompt)."""
-    model_dir = targets.build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "model",
+    model_dir = kimi_k25.build_tiny_kimi_k25(tmp_path_factory.mktemp("kimi") / "model",
                                          num_layers=NUM_DSV3_LAYERS)
     # The generator reads kimi_k25 with vLLM's config parser (patches/speculators/0005): no remote code.
     generator = _make_generator(model_dir, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY)
@@ -97,7 +98,7 @@ def _slot_differences(model_dir, aux_ids, num_layers, prompts, results):
     """Max abs difference per slot (aux ids..., final) over all prompts."""
     worst = [0.0] * (len(aux_ids) + 1)
     for prompt, result in zip(prompts, results):
-        reference = targets.hf_hidden_states(model_dir, prompt)
+        reference = tiny_reference.hf_hidden_states(model_dir, prompt)
         expected = [reference[i] for i in aux_ids] + [reference[num_layers]]
         for slot, (got, want) in enumerate(zip(result["hidden_states"], expected)):
             assert got.shape == want.shape, (slot, got.shape, want.shape)
@@ -131,7 +132,7 @@ def test_llama_output_of_layer_is_not_what_we_capture(llama):
     model_dir, generator = llama
     prompt = _prompts(512)[2]
     result = generator.generate([prompt])[0]
-    reference = targets.hf_hidden_states(model_dir, prompt)
+    reference = tiny_reference.hf_hidden_states(model_dir, prompt)
     for slot, layer_id in enumerate(LLAMA_AUX_IDS):
         off_by_one = (result["hidden_states"][slot] - reference[layer_id + 1]).abs().max()
         assert off_by_one > 1e-2, (layer_id, off_by_one)
@@ -199,7 +200,7 @@ def test_fp8_capture_is_the_quantized_float32_capture(llama, llama_fp8, capsys):
                    for r in results]
     worst = _slot_differences(model_dir, LLAMA_AUX_IDS, NUM_LLAMA_LAYERS, prompts, dequantized)
     _report(capsys, "llama, fp8 in the worker", LLAMA_AUX_IDS, worst)
-    reference = targets.hf_hidden_states(model_dir, prompts[0])
+    reference = tiny_reference.hf_hidden_states(model_dir, prompts[0])
     largest = max(reference[i].abs().max().item() for i in [*LLAMA_AUX_IDS, NUM_LLAMA_LAYERS])
     assert max(worst) <= largest / 16, (worst, largest)  # half an e4m3 step at the row's amax
 
@@ -259,10 +260,10 @@ def test_kimi_k25_slots_match_hf(kimi, capsys):
     DeepseekV3 run on the same language-model weights."""
     model_dir, generator = kimi
     model_config = generator.vllm_config.model_config
-    assert model_config.architectures == [targets.KIMI_K25_ARCHITECTURE]
+    assert model_config.architectures == [kimi_k25.KIMI_K25_ARCHITECTURE]
     assert model_config.hf_config.model_type == "kimi_k25"
     assert model_config.multimodal_config.get_limit_per_prompt("vision_chunk") == 0
-    assert type(targets.load_hf_model(model_dir)).__name__ == "DeepseekV3ForCausalLM"
+    assert type(tiny_reference.load_hf_model(model_dir)).__name__ == "DeepseekV3ForCausalLM"
 
     prompts = _prompts(512)
     results = generator.generate(prompts)
@@ -321,7 +322,7 @@ def test_kimi_k25_vision_weights_load_into_vllm_tower(tmp_path):
     """The tower/projector tensors are exactly what vLLM's MoonViT and projector load (after
     KimiK25ForConditionalGeneration's name mapping), and a 2x2-patch image runs through them.
     The text-only engine never builds the tower, so this checks it in a child process."""
-    model_dir = targets.build_tiny_kimi_k25(tmp_path / "kimi", num_layers=2)
+    model_dir = kimi_k25.build_tiny_kimi_k25(tmp_path / "kimi", num_layers=2)
     script = tmp_path / "check_vision.py"
     script.write_text(_KIMI_VISION_CHECK)
     port = str(29500 + os.getpid() % 1000)

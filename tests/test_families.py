@@ -16,7 +16,7 @@ import pytest
 
 from draftline import target
 from draftline.cli.init import aux_layer_ids
-from draftline.rehearse import miniature, scope, wrappers
+from draftline.rehearse import layers, miniature, reference, scope, shrink, weights, wrappers
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # weightless directory -> model_type; each a public model's config.json (its README.md says where from)
@@ -44,14 +44,14 @@ def test_each_weightless_directory_is_its_family_with_a_tokenizer(name):
 @pytest.mark.parametrize("name", sorted(SHAPED))
 def test_the_plan_keeps_each_layers_kind_and_every_layer_field_consistent(name):
     text = text_of(name)
-    plan = miniature.plan_layers(text, aux_layer_ids(int(text["num_hidden_layers"])))
-    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                       mla_disable=True, quantized=False)
-    assert miniature.layer_kinds(mini) == list(plan.kinds) == [miniature.layer_kinds(text)[i] for i in plan.kept]
+    plan = layers.plan_layers(text, aux_layer_ids(int(text["num_hidden_layers"])))
+    mini, _, _ = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                    mla_disable=True, quantized=False)
+    assert layers.layer_kinds(mini) == list(plan.kinds) == [layers.layer_kinds(text)[i] for i in plan.kept]
     for key, value in mini.items():  # every per-layer list is as long as the miniature
         if isinstance(value, list) and len(text[key]) == text["num_hidden_layers"]:
             assert len(value) == len(plan.kept), key
-    miniature.hf_config(mini)  # transformers' own validation of the config
+    weights.hf_config(mini)  # transformers' own validation of the config
     for old, new in zip(plan.target_aux_layer_ids, plan.aux_layer_ids):
         assert plan.mapping[old] == new and plan.mapping[old - 1] == new - 1
 
@@ -59,7 +59,7 @@ def test_the_plan_keeps_each_layers_kind_and_every_layer_field_consistent(name):
 def test_gpt_oss_keeps_vllms_alternation_by_adding_a_layer_where_parity_would_flip():
     """vLLM's gpt_oss.py slides the even layers whatever layer_types says; so each kept layer
     sits at a position of its own parity (layers 11, 19 and 22 come in for 12, 20 and 23)."""
-    plan = miniature.plan_layers(text_of("gpt-oss-20b-shaped"), [2, 12, 21])
+    plan = layers.plan_layers(text_of("gpt-oss-20b-shaped"), [2, 12, 21])
     assert plan.kept == (0, 1, 2, 11, 12, 19, 20, 21, 22, 23)
     assert all(layer % 2 == position % 2 for position, layer in enumerate(plan.kept))
     assert plan.aux_layer_ids == (2, 4, 7)
@@ -68,10 +68,10 @@ def test_gpt_oss_keeps_vllms_alternation_by_adding_a_layer_where_parity_would_fl
 def test_a_sparse_step_and_dense_only_layers_are_kept():
     """Qwen3-MoE with MoE on every second layer and layer 1 forced dense (mlp_only_layers)."""
     text = {**text_of("qwen3-30b-a3b-shaped"), "decoder_sparse_step": 2, "mlp_only_layers": [1, 30]}
-    plan = miniature.plan_layers(text, [2, 24, 45])
-    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                       mla_disable=False, quantized=False)
-    assert miniature.layer_kinds(mini) == list(plan.kinds)
+    plan = layers.plan_layers(text, [2, 24, 45])
+    mini, _, _ = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                    mla_disable=False, quantized=False)
+    assert layers.layer_kinds(mini) == list(plan.kinds)
     assert mini["mlp_only_layers"] == [plan.mapping[1]] and mini["decoder_sparse_step"] == 2
     assert "moe" in plan.kinds and "dense" in plan.kinds
 
@@ -80,12 +80,12 @@ def test_per_layer_lists_are_subset_and_window_prefixes_remapped():
     text = {**text_of("qwen3-8b-shaped"), "use_sliding_window": True, "sliding_window": 4096,
             "max_window_layers": 20}
     text["layer_types"] = ["full_attention" if i < 20 else "sliding_attention" for i in range(36)]
-    plan = miniature.plan_layers(text, [2, 18, 33])
-    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                       mla_disable=False, quantized=False)
+    plan = layers.plan_layers(text, [2, 18, 33])
+    mini, _, _ = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                    mla_disable=False, quantized=False)
     assert mini["layer_types"] == [text["layer_types"][i] for i in plan.kept]
     assert mini["max_window_layers"] == sum(1 for i in plan.kept if i < 20)
-    assert miniature.layer_kinds(mini) == list(plan.kinds) and "dense/sliding" in plan.kinds
+    assert layers.layer_kinds(mini) == list(plan.kinds) and "dense/sliding" in plan.kinds
 
 
 @pytest.mark.parametrize("name, mtp", [("deepseek-v3-shaped", 1), ("kimi-k2-instruct-shaped", 0)])
@@ -94,12 +94,12 @@ def test_fp8_blocks_and_the_mtp_layer_are_dropped_and_named_on_cpu(name, mtp):
     builder writes none) and DeepSeek-V3 one multi-token-prediction layer: the miniature has
     neither and the rehearsal's "not rehearsed" list names both. Dense layers stay a prefix."""
     text = text_of(name)
-    quant, dropped = miniature.quantization_plan(text["quantization_config"], "cpu")
+    quant, dropped = shrink.quantization_plan(text["quantization_config"], "cpu")
     assert quant is None and dropped["what"] == "quantization_config (fp8, e4m3 blocks of 128x128)"
     assert dropped["reason"].startswith("FP8 block MoE: no CPU kernel")
-    plan = miniature.plan_layers(text, aux_layer_ids(61))
-    mini, _, drops = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                           mla_disable=True, quantized=False)
+    plan = layers.plan_layers(text, aux_layer_ids(61))
+    mini, _, drops = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                        mla_disable=True, quantized=False)
     assert "quantization_config" not in mini and mini["num_nextn_predict_layers"] == 0
     assert [d["what"] for d in drops] == [f"multi-token-prediction layers ({mtp})"] * bool(mtp)
     dense = text["first_k_dense_replace"]
@@ -108,16 +108,16 @@ def test_fp8_blocks_and_the_mtp_layer_are_dropped_and_named_on_cpu(name, mtp):
 
 def test_a_layer_field_without_a_rule_is_a_one_line_refusal_naming_it():
     text = {**text_of("qwen3-8b-shaped"), "global_attention_layers": [3, 9]}
-    plan = miniature.plan_layers(text, [2, 18, 33])
+    plan = layers.plan_layers(text, [2, 18, 33])
     with pytest.raises(ValueError, match=r"^global_attention_layers=\[3, 9\]: a layer-indexed field"):
-        miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1, mla_disable=False,
-                              quantized=False)
+        shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1, mla_disable=False,
+                           quantized=False)
 
 
 def _shrunk(text: dict, aux_ids: list[int]):
-    plan = miniature.plan_layers(text, aux_ids)
-    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                       mla_disable=False, quantized=False)
+    plan = layers.plan_layers(text, aux_ids)
+    mini, _, _ = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                    mla_disable=False, quantized=False)
     return plan, mini
 
 
@@ -131,7 +131,7 @@ def test_llama4_writes_its_derived_rope_flags_out_so_each_layer_keeps_rope_and_c
     assert plan.kept == (0, 1, 2, 20, 21, 44, 45, 47)
     assert mini["no_rope_layers"] == [1, 1, 1, 1, 1, 1, 1, 0]
     assert plan.kinds == ("moe/chunked",) * 7 + ("moe/full/nope",)
-    config = miniature.hf_config(mini)
+    config = weights.hf_config(mini)
     assert config.no_rope_layers == mini["no_rope_layers"]
     assert config.layer_types == ["chunked_attention"] * 7 + ["full_attention"]
     assert (mini["num_local_experts"], mini["num_experts_per_tok"]) == (8, 1)  # 16 -> 8, top-1 kept
@@ -144,16 +144,16 @@ def test_a_context_whose_rope_cache_would_not_fit_is_capped_where_the_rope_allow
     rank at start (11 GB at its peak: two CPU ranks were killed for memory on a 24 GiB host);
     llama3 rope's frequencies do not depend on the context, YaRN's may, so it keeps its own."""
     text = text_of("llama-4-scout-shaped")
-    plan = miniature.plan_layers(text, [2, 24, 45])
-    mini, _, dropped = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                             mla_disable=False, quantized=False)
-    assert mini["max_position_embeddings"] == miniature.MAX_POSITIONS < text["max_position_embeddings"]
+    plan = layers.plan_layers(text, [2, 24, 45])
+    mini, _, dropped = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                          mla_disable=False, quantized=False)
+    assert mini["max_position_embeddings"] == shrink.MAX_POSITIONS < text["max_position_embeddings"]
     assert dropped == [{"what": "max_position_embeddings 10485760", "reason": (
         "the miniature has 262144: vLLM computes a rope cache of every position at start (5.4 GB of "
         "float32 per rank); llama3 rope rotates the positions below the cap alike")}]
     yarn = {**text_of("gpt-oss-20b-shaped"), "max_position_embeddings": 10485760}
-    mini, _, dropped = miniature.shrink_text(yarn, miniature.plan_layers(yarn, [2, 12, 21]), device="cpu",
-                                             tensor_parallel_size=1, mla_disable=False, quantized=False)
+    mini, _, dropped = shrink.shrink_text(yarn, layers.plan_layers(yarn, [2, 12, 21]), device="cpu",
+                                          tensor_parallel_size=1, mla_disable=False, quantized=False)
     assert mini["max_position_embeddings"] == 10485760 and not dropped
 
 
@@ -163,20 +163,20 @@ def test_llama4_interleaved_moe_keeps_dense_and_moe_layers_where_vllm_and_transf
     text = {**text_of("llama-4-scout-shaped"), "interleave_moe_layer_step": 2, "moe_layers": list(range(1, 48, 2))}
     plan, mini = _shrunk(text, [2, 24, 45])
     assert {"dense/chunked", "moe/chunked", "moe/full/nope"} <= set(plan.kinds)
-    assert miniature.layer_kinds(mini) == list(plan.kinds)
+    assert layers.layer_kinds(mini) == list(plan.kinds)
     moe = [i for i, kind in enumerate(plan.kinds) if kind.startswith("moe")]
-    assert mini["moe_layers"] == moe == miniature.hf_config(mini).moe_layers
+    assert mini["moe_layers"] == moe == weights.hf_config(mini).moe_layers
     assert all(layer % 2 == position % 2 for position, layer in enumerate(plan.kept))
 
 
 def test_llama4_vision_tower_keeps_its_pixel_shuffle_widths_or_refuses_the_field():
     vision = json.loads((ASSETS / "llama-4-scout-shaped" / "config.json").read_text())["vision_config"]
-    mini = miniature.shrink_llama4_vision(vision, 256)
+    mini = shrink.shrink_llama4_vision(vision, 256)
     assert mini["intermediate_size"] == mini["hidden_size"] / mini["pixel_shuffle_ratio"] ** 2
     assert mini["projector_output_dim"] == mini["vision_output_dim"]
     assert (mini["image_size"], mini["patch_size"]) == (vision["image_size"], vision["patch_size"])
     with pytest.raises(ValueError, match=r"^vision_config.intermediate_size=5000: not hidden_size"):
-        miniature.shrink_llama4_vision({**vision, "intermediate_size": 5000}, 256)
+        shrink.shrink_llama4_vision({**vision, "intermediate_size": 5000}, 256)
 
 
 def test_a_family_outside_the_table_is_refused_before_anything_loads(tmp_path):
@@ -206,13 +206,13 @@ def test_a_family_outside_the_table_is_refused_before_anything_loads(tmp_path):
 def test_the_miniature_loads_and_runs_in_transformers_with_each_layers_kind(tmp_path, name):
     text = text_of(name)
     built = miniature.build_miniature(ASSETS / name, tmp_path / "mini", aux_layer_ids(int(text["num_hidden_layers"])))
-    model, why = miniature.load_reference(built.path)
+    model, why = reference.load_reference(built.path)
     assert why is None
     text_config = model.config.get_text_config()
     kinds = [layer_kind(layer, text_config.layer_types[i] if "/" in built.layers.kinds[i] else None)
              for i, layer in enumerate(wrappers.decoder_layers(model))]
     assert kinds == list(built.layers.kinds)
-    states = miniature.reference_hidden_states(model, list(range(3, 40)))
+    states = reference.reference_hidden_states(model, list(range(3, 40)))
     assert len(states) == len(built.layers.kept) + 1 and all(s.isfinite().all() for s in states)
     sinks = [p for n, p in model.named_parameters() if n.endswith(".sinks")]
     assert len(sinks) == (len(states) - 1 if name.startswith("gpt-oss") else 0)
@@ -234,7 +234,7 @@ def test_vllm_reads_a_kimi_k2_config_without_its_remote_code():
 
 
 def layer_kind(layer, layer_type: str | None) -> str:
-    """A transformers decoder layer's kind, spelled as miniature.layer_kinds spells it."""
+    """A transformers decoder layer's kind, spelled as layers.layer_kinds spells it."""
     mlp = layer.mlp if hasattr(layer, "mlp") else layer.feed_forward  # Llama 4: feed_forward
     parts = ["moe" if hasattr(mlp, "experts") else "dense"]
     if layer_type:

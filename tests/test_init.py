@@ -31,7 +31,7 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "num_hid
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from draftline.tiny.targets import build_tiny_llama
+    from draftline.tiny.builders import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "My_Tiny-Llama", hidden_size=64,
                             num_layers=8, num_heads=2, num_kv_heads=1, intermediate_size=128)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from draftline.tiny import targets
+from draftline.tiny import builders
 
 K = 3
 
@@ -47,7 +47,7 @@ def test_a_parallel_draft_decodes_greedy_equal_to_the_plain_engine(tmp_path, mon
     from draftline.engine import EngineOptions, llm_kwargs
     from draftline.speculative.jobs import SpecCounters
 
-    target = targets.build_tiny_llama(tmp_path / "target", num_layers=4)
+    target = builders.build_tiny_llama(tmp_path / "target", num_layers=4)
     parallel_draft(target, tmp_path / "draft", mask_token=2)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(7, 500, (n,), generator=generator).tolist() for n in (9, 23, 40)]

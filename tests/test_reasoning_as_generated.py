@@ -17,7 +17,7 @@ from chat_families import family_tokenizer
 from test_tool_traces import marked, mixed_records
 
 from draftline.cli import init
-from draftline.tiny import targets
+from draftline.tiny import tokenizer
 from draftline.tokenize import generated
 from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
@@ -79,7 +79,7 @@ VISIBLE = {"kimi": {5: [3]}, "qwen3": {5: [3]}, "deepseek_r1": {}}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return targets.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
+    return tokenizer.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from test_tool_traces import marked
 from draftline.regenerate import turns
 from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import normalize
-from draftline.tiny import targets
+from draftline.tiny import builders, tokenizer
 
 PARSERS = {"kimi": "kimi_k2", "qwen3": "qwen3", "deepseek_r1": "deepseek_r1"}
 STOP = {"kimi": "<|im_end|>", "qwen3": "<|im_end|>", "deepseek_r1": "<｜end▁of▁sentence｜>"}
@@ -29,7 +29,7 @@ CUES = {1: "What is 2 + 3?", 3: "Book a table", 5: '{"ok": true}', 7: "Thanks!"}
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    base = targets.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
+    base = tokenizer.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
     return {name: family_tokenizer(base, name) for name in PARSERS}
 
 
@@ -188,7 +188,7 @@ def test_the_vllm_engine_regenerates_each_reply_after_the_servers_prompt(tmp_pat
     from draftline.engine import EngineOptions
     from draftline.regenerate import greedy
 
-    model_dir = targets.build_tiny_llama(tmp_path / "m", num_layers=2, chat="kimi")
+    model_dir = builders.build_tiny_llama(tmp_path / "m", num_layers=2, chat="kimi")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     records = [{"where": f"r{i}", "messages": [
         {"role": "user", "content": question}, {"role": "assistant", "content": "A."},

@@ -9,7 +9,7 @@ import torch
 
 from draftline.regenerate import greedy
 from draftline.engine import EngineOptions
-from draftline.tiny import targets
+from draftline.tiny import builders
 
 
 class Scripted:
@@ -65,7 +65,7 @@ def test_an_engine_returning_more_than_the_cap_is_an_error():
 
 
 def test_stop_ids_come_from_the_generation_config(tmp_path):
-    model = targets.build_tiny_llama(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2,
+    model = builders.build_tiny_llama(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2,
                                   num_kv_heads=1, intermediate_size=128)
     assert greedy.stop_token_ids(model) == [1, 6]  # <|eos|>, <|end|>
 
@@ -76,7 +76,7 @@ def test_vllm_replies_are_the_targets_greedy_replies(tmp_path):
     ends at a stop token keeps it."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = targets.build_tiny_llama(tmp_path / "m", num_layers=2)
+    model_dir = builders.build_tiny_llama(tmp_path / "m", num_layers=2)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(7, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]

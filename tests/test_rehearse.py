@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, compose, require_cuda
-from draftline.rehearse import scope
-from draftline.rehearse import miniature
+from draftline.rehearse import layers, scope, shrink, weights
+from draftline.rehearse.reference import load_reference
 
 KIMI_SHAPED = REPO / "tests/assets/kimi-k2.5-shaped"
 BROKEN_CAPTURE = REPO / "tests/assets/broken_capture"
@@ -37,7 +37,7 @@ def kimi_text() -> dict:
 
 
 def test_kimi_miniature_keeps_the_layers_around_each_aux_id_and_remaps_the_ids():
-    plan = miniature.plan_layers(kimi_text(), KIMI_AUX_IDS)
+    plan = layers.plan_layers(kimi_text(), KIMI_AUX_IDS)
     assert plan.kept == (0, 1, 2, 29, 30, 57, 58, 60)
     assert plan.aux_layer_ids == (2, 4, 6)
     # The input of aux layer i is the output of layer i - 1: both are kept, adjacent.
@@ -49,26 +49,26 @@ def test_kimi_miniature_keeps_the_layers_around_each_aux_id_and_remaps_the_ids()
 @pytest.mark.parametrize("first_dense", [1, 3, 10])
 def test_each_kept_layer_keeps_its_real_kind(first_dense):
     text = {**kimi_text(), "first_k_dense_replace": first_dense}
-    plan = miniature.plan_layers(text, KIMI_AUX_IDS)
-    kinds = miniature.layer_kinds(text)
-    mini, _, _ = miniature.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
-                                       mla_disable=True, quantized=False)
+    plan = layers.plan_layers(text, KIMI_AUX_IDS)
+    kinds = layers.layer_kinds(text)
+    mini, _, _ = shrink.shrink_text(text, plan, device="cpu", tensor_parallel_size=1,
+                                    mla_disable=True, quantized=False)
     assert plan.kinds == tuple(kinds[i] for i in plan.kept)
-    assert miniature.layer_kinds(mini) == list(plan.kinds)
+    assert layers.layer_kinds(mini) == list(plan.kinds)
     assert plan.kinds.count("dense") == mini["first_k_dense_replace"] == min(first_dense, 3)
 
 
 def test_dense_layers_between_moe_layers_are_refused():
     with pytest.raises(ValueError, match="moe_layer_freq 2"):
-        miniature.plan_layers({**kimi_text(), "moe_layer_freq": 2}, KIMI_AUX_IDS)
+        layers.plan_layers({**kimi_text(), "moe_layer_freq": 2}, KIMI_AUX_IDS)
 
 
 def test_on_cpu_int4_is_dropped_and_named():
     quant = kimi_text()["quantization_config"]
-    kept, dropped = miniature.quantization_plan(quant, "cpu")
+    kept, dropped = shrink.quantization_plan(quant, "cpu")
     assert kept is None and dropped["reason"].startswith("INT4 MoE: no CPU kernel")
     assert "INT4 groups of 32" in dropped["what"]
-    kept, dropped = miniature.quantization_plan(quant, "cuda")
+    kept, dropped = shrink.quantization_plan(quant, "cuda")
     assert kept == quant and dropped is None
 
 
@@ -78,16 +78,16 @@ def test_kept_int4_widths_respect_its_group_and_tiles(tensor_parallel_size):
     from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
 
     text = kimi_text()
-    plan = miniature.plan_layers(text, KIMI_AUX_IDS)
-    mini, _, _ = miniature.shrink_text(text, plan, device="cuda", tensor_parallel_size=tensor_parallel_size,
-                                       mla_disable=False, quantized=True)
+    plan = layers.plan_layers(text, KIMI_AUX_IDS)
+    mini, _, _ = shrink.shrink_text(text, plan, device="cuda", tensor_parallel_size=tensor_parallel_size,
+                                    mla_disable=False, quantized=True)
     group = text["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
     per_rank = mini["moe_intermediate_size"] // tensor_parallel_size
-    assert per_rank % miniature.QUANT_TILE == 0 and mini["hidden_size"] % miniature.QUANT_TILE == 0
-    assert miniature.QUANT_TILE % group == 0
+    assert per_rank % shrink.QUANT_TILE == 0 and mini["hidden_size"] % shrink.QUANT_TILE == 0
+    assert shrink.QUANT_TILE % group == 0
     assert mini["quantization_config"] == text["quantization_config"]
     weight = torch.randn(mini["moe_intermediate_size"], mini["hidden_size"])  # gate_proj [out, in]
-    packed = miniature.quantize_int4(weight, group)
+    packed = weights.quantize_int4(weight, group)
     assert packed["weight_packed"].shape == (weight.shape[0], weight.shape[1] // 8)
     assert packed["weight_scale"].shape == (weight.shape[0], weight.shape[1] // group)
     values = unpack_from_int32(packed["weight_packed"], 4, torch.Size(weight.shape))
@@ -96,14 +96,14 @@ def test_kept_int4_widths_respect_its_group_and_tiles(tensor_parallel_size):
 
 
 def test_cpu_head_sizes_are_kept_or_replaced():
-    plan = miniature.plan_layers(kimi_text(), KIMI_AUX_IDS)
-    mini, _, dropped = miniature.shrink_text(kimi_text(), plan, device="cpu", tensor_parallel_size=1,
-                                             mla_disable=True, quantized=False)
+    plan = layers.plan_layers(kimi_text(), KIMI_AUX_IDS)
+    mini, _, dropped = shrink.shrink_text(kimi_text(), plan, device="cpu", tensor_parallel_size=1,
+                                          mla_disable=True, quantized=False)
     assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] == 192 and not dropped  # 192: a CPU size
     odd = {**kimi_text(), "qk_nope_head_dim": 120}
-    mini, _, dropped = miniature.shrink_text(odd, plan, device="cpu", tensor_parallel_size=1,
-                                             mla_disable=True, quantized=False)
-    assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] in miniature.CPU_HEAD_SIZES
+    mini, _, dropped = shrink.shrink_text(odd, plan, device="cpu", tensor_parallel_size=1,
+                                          mla_disable=True, quantized=False)
+    assert mini["qk_nope_head_dim"] + mini["qk_rope_head_dim"] in shrink.CPU_HEAD_SIZES
     assert dropped[0]["what"] == "MLA head size 184"
 
 
@@ -277,7 +277,7 @@ def _check_rehearsal(run_dir: Path, output: str, skipped: tuple[str, ...] = ()) 
 def _kinds_in_transformers(mini_path: str) -> list[str]:
     from draftline.rehearse import wrappers
 
-    model, _ = miniature.load_reference(mini_path)
+    model, _ = load_reference(mini_path)
     mlps = [layer.mlp if hasattr(layer, "mlp") else layer.feed_forward for layer in wrappers.decoder_layers(model)]  # Llama 4: feed_forward
     return ["moe" if hasattr(mlp, "experts") else "dense" for mlp in mlps]
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from draftline.pipeline import artifacts, launch
-from draftline.tiny import targets as tiny
+from draftline.tiny import builders as tiny
 from test_training import AUX_IDS, FULL_TRAIN, NUM_LAYERS, SHARD_LENGTHS, VALIDATION
 from test_training import write_shards, write_split_index, write_vocab_mapping
 from conftest import REPO, compose

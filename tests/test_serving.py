@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import environment
-from draftline.tiny import targets
+from draftline.tiny import builders, kimi_k25, reference
 from harness import capture
 
 pytestmark = pytest.mark.vllm
@@ -325,7 +325,7 @@ def _family(target: Path, aux_ids: list[int], **engine_kwargs) -> dict:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, engine_env):
     root = tmp_path_factory.mktemp("llama")
-    return _family(targets.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS), LLAMA_AUX_IDS)
+    return _family(builders.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS), LLAMA_AUX_IDS)
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +336,7 @@ def agreeing(tmp_path_factory, engine_env):
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("agreeing")
-    target = targets.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS)
+    target = builders.build_tiny_llama(root / "target", num_layers=LLAMA_LAYERS)
     weights = load_file(str(target / "model.safetensors"))
     weights["lm_head.weight"].zero_()
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
@@ -361,9 +361,9 @@ def test_a_draft_that_always_agrees_is_always_accepted(agreeing):
 def kimi(tmp_path_factory, engine_env):
     """Kimi-K2.5 (KimiK25ForConditionalGeneration around a tiny DeepseekV3), text-only."""
     root = tmp_path_factory.mktemp("kimi")
-    target = targets.build_tiny_kimi_k25(root / "target", num_layers=DSV3_LAYERS)
+    target = kimi_k25.build_tiny_kimi_k25(root / "target", num_layers=DSV3_LAYERS)
     return {**_family(target, DSV3_AUX_IDS, limit_mm_per_prompt=KIMI_TEXT_ONLY),
-            "hf": targets.load_hf_kimi_k25_language_model(target)}
+            "hf": kimi_k25.load_hf_kimi_k25_language_model(target)}
 
 
 # Kimi-K2.5 (30-50 s more) in the long tier: the default tier keeps its 15 minutes.
@@ -410,7 +410,7 @@ def test_served_aux_hidden_states_equal_hf_training_features(served):
     captured = served["spec"]["aux"]
     assert captured, "the target returned no aux hidden states"
     aux = captured[0]  # the prefill of the capture prompt
-    hf = targets.hf_hidden_states(served["hf"] if "hf" in served else served["target"], prompt)
+    hf = reference.hf_hidden_states(served["hf"] if "hf" in served else served["target"], prompt)
     assert len(aux) == len(served["aux_ids"])
     for slot, layer in enumerate(served["aux_ids"]):
         got = aux[slot][: len(prompt)]

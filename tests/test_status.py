@@ -24,7 +24,7 @@ from draftline.patchq.diff import list_patch_files
 from draftline.patchq.packages import PACKAGES, RECORD_NAME
 from draftline.cli import status
 from draftline.pipeline import artifacts, config, deps
-from draftline.tiny import embedded, targets
+from draftline.tiny import builders, embedded, kimi_k25
 
 from conftest import REPO
 
@@ -547,7 +547,7 @@ def test_loaded_records_this_process(tmp_path, monkeypatch):
              init="from . import sub\nraise ImportError('half imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(deps, "PATCHED", ("dl_fake_patched", "dl_fake_broken", "speculators"))
-    _forget(monkeypatch, "speculators", "dl_fake_patched", "dl_fake_broken", "draftline.tiny.targets")
+    _forget(monkeypatch, "speculators", "dl_fake_patched", "dl_fake_broken", "draftline.tiny.builders")
     importlib.import_module("dl_fake_patched")
     with pytest.raises(ImportError, match="half imported"):
         importlib.import_module("dl_fake_broken")
@@ -555,7 +555,7 @@ def test_loaded_records_this_process(tmp_path, monkeypatch):
 
     recorded = deps.loaded([gate])
     assert {"draftline/pipeline/deps.py", "draftline/cli/status.py", "draftline/__init__.py"} <= set(recorded["code"])
-    assert "draftline/tiny/targets.py" not in recorded["code"]
+    assert "draftline/tiny/builders.py" not in recorded["code"]
     assert all((REPO / name).is_file() and name.split("/")[0] in deps.PROJECT for name in recorded["code"])
     assert recorded["code"][CODE] == _sha(REPO / CODE)
     assert recorded["packages"]["pytest"] == importlib.metadata.version("pytest")
@@ -571,15 +571,15 @@ def test_loaded_keeps_the_names_of_the_run_it_resumed(tmp_path, monkeypatch):
     _package(tmp_path, "dl_fake_patched", [{"name": "0001-a.diff", "sha256": "aa"}])
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(deps, "PATCHED", ("dl_fake_patched", "speculators"))
-    _forget(monkeypatch, "speculators", "dl_fake_patched", "draftline.tiny.targets")
+    _forget(monkeypatch, "speculators", "dl_fake_patched", "draftline.tiny.builders")
     importlib.import_module("dl_fake_patched")
     plain = deps.loaded()
     unused = next(name for name in sorted(deps._installed()) if name not in plain["packages"])
-    previous = {"code": {"draftline/tiny/targets.py": "x", "draftline/gone.py": "y"},
+    previous = {"code": {"draftline/tiny/builders.py": "x", "draftline/gone.py": "y"},
                 "packages": {unused: "0", "not-installed-anywhere": "1"},
                 "patches": {"speculators": None, "not-a-patched-package": None}}
     recorded = deps.loaded(previous=previous)
-    assert set(recorded["code"]) == set(plain["code"]) | {"draftline/tiny/targets.py"}
+    assert set(recorded["code"]) == set(plain["code"]) | {"draftline/tiny/builders.py"}
     assert set(recorded["packages"]) == set(plain["packages"]) | {unused}
     assert "pytest" in recorded["packages"]
     assert set(recorded["patches"]) == {"dl_fake_patched", "speculators"} == set(plain["patches"]) | {"speculators"}
@@ -657,8 +657,9 @@ def test_ensure_assets_builds_only_what_is_missing(tmp_path, monkeypatch, build)
     from omegaconf import OmegaConf
 
     built = []
-    for name in ("build_tiny_llama", "build_tiny_deepseek_v3", "build_tiny_kimi_k25"):
-        monkeypatch.setattr(targets, name, lambda out, *, num_layers, _n=name: built.append((_n, out, num_layers)))
+    for module, name in ((builders, "build_tiny_llama"), (builders, "build_tiny_deepseek_v3"),
+                         (kimi_k25, "build_tiny_kimi_k25")):
+        monkeypatch.setattr(module, name, lambda out, *, num_layers, _n=name: built.append((_n, out, num_layers)))
     model_dir, data = tmp_path / "model", tmp_path / "conversations.jsonl"
     cfg = OmegaConf.create({"model": {"path": str(model_dir), "build": build, "num_layers": 3},
                             "data": {"path": str(data), "build": "stdlib_docstrings", "max_bytes": 5000},
@@ -783,7 +784,7 @@ def test_deps_cli(tmp_path, capsys):
     deps.main(["files", "draftline.cli.status"])
     listed = capsys.readouterr().out.splitlines()
     assert listed == [str(p.relative_to(REPO)) for p in deps.closure(["draftline.cli.status"])]
-    assert {"draftline/cli/status.py", "draftline/pipeline/deps.py", "draftline/tiny/targets.py"} <= set(listed)
+    assert {"draftline/cli/status.py", "draftline/pipeline/deps.py", "draftline/tiny/builders.py"} <= set(listed)
     stage_dir = tmp_path / "extract"
     record = deps.current({"code": {CODE: None}})
     artifacts.write_json(stage_dir / "manifest.json", {"provenance": {"deps": record}})

@@ -1,4 +1,5 @@
-"""Tests for draftline.tiny.targets: tiny random HF target models (no vLLM here)."""
+"""Tests for draftline.tiny's tokenizer, builders, kimi_k25 and reference: tiny random HF target
+models (no vLLM here)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftline.tiny import targets
+from draftline.tiny import builders, kimi_k25, reference, tokenizer
 
 from conftest import REPO
 
@@ -28,8 +29,8 @@ def built(tmp_path_factory):
     """Each builder run twice with seed 0 and once with seed 1."""
     root = tmp_path_factory.mktemp("tiny")
     out = {}
-    for name, fn in (("llama", targets.build_tiny_llama), ("dsv3", targets.build_tiny_deepseek_v3),
-                     ("kimi", targets.build_tiny_kimi_k25)):
+    for name, fn in (("llama", builders.build_tiny_llama), ("dsv3", builders.build_tiny_deepseek_v3),
+                     ("kimi", kimi_k25.build_tiny_kimi_k25)):
         out[name] = (
             fn(root / f"{name}_a", seed=0),
             fn(root / f"{name}_b", seed=0),
@@ -43,13 +44,13 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    return targets.build_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
+    return tokenizer.build_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
 
 
 def test_tokenizer_special_tokens(tok):
     assert len(tok) == 512
-    ids = tok.convert_tokens_to_ids(targets.SPECIAL_TOKENS)
-    assert ids == list(range(len(targets.SPECIAL_TOKENS)))
+    ids = tok.convert_tokens_to_ids(tokenizer.SPECIAL_TOKENS)
+    assert ids == list(range(len(tokenizer.SPECIAL_TOKENS)))
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
     # a role marker in text is one token, not split by BPE
@@ -97,8 +98,8 @@ def test_chat_template(tok):
 
 def test_tokenizer_custom_corpus_and_determinism(tmp_path):
     corpus = ["the cat sat on the mat"] * 50 + ["a dog ran in the fog"] * 50
-    a = targets.build_tokenizer(tmp_path / "a", corpus=corpus, vocab_size=300)
-    targets.build_tokenizer(tmp_path / "b", corpus=corpus, vocab_size=300)
+    a = tokenizer.build_tokenizer(tmp_path / "a", corpus=corpus, vocab_size=300)
+    tokenizer.build_tokenizer(tmp_path / "b", corpus=corpus, vocab_size=300)
     assert _bytes(tmp_path / "a", "tokenizer.json") == _bytes(tmp_path / "b", "tokenizer.json")
     assert len(a) <= 300
     assert len(a("the cat sat", add_special_tokens=False).input_ids) < len("the cat sat")
@@ -106,12 +107,12 @@ def test_tokenizer_custom_corpus_and_determinism(tmp_path):
 
 def test_tokenizer_deterministic_across_processes():
     """Another interpreter (other hash seed) trains the identical default BPE."""
-    code = "from draftline.tiny.targets import _train_bpe; print(_train_bpe(None, 512).to_str())"
+    code = "from draftline.tiny.tokenizer import _train_bpe; print(_train_bpe(None, 512).to_str())"
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
     other = subprocess.run(
         [sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True
     ).stdout.strip()
-    assert other == targets._train_bpe(None, 512).to_str()
+    assert other == tokenizer._train_bpe(None, 512).to_str()
 
 
 # ---------------------------------------------------------------- builders
@@ -130,20 +131,20 @@ def test_builder_rng_isolated(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    targets.build_tiny_llama(tmp_path / "m", num_layers=1)
+    builders.build_tiny_llama(tmp_path / "m", num_layers=1)
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_rebuild_replaces_atomically(tmp_path):
     out = tmp_path / "m"
-    targets.build_tiny_llama(out, num_layers=1, seed=0)
+    builders.build_tiny_llama(out, num_layers=1, seed=0)
     (out / "stale.txt").write_text("x")
     first = _bytes(out)
-    targets.build_tiny_llama(out, num_layers=1, seed=1)
+    builders.build_tiny_llama(out, num_layers=1, seed=1)
     assert not (out / "stale.txt").exists()
     assert _bytes(out) != first
     with pytest.raises(ValueError):
-        targets.build_tiny_llama(out, vocab_size=100)  # fails inside the temp dir
+        builders.build_tiny_llama(out, vocab_size=100)  # fails inside the temp dir
     assert _bytes(out) != first  # the previous build survives a failed rebuild
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp dirs left
 
@@ -190,7 +191,7 @@ CPU_ATTENTION_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256}
 @pytest.fixture(scope="module")
 def kimi_text_twin(tmp_path_factory):
     """build_tiny_deepseek_v3 with the Kimi dims and seed 0: the Kimi build's text model."""
-    return targets.build_tiny_deepseek_v3(tmp_path_factory.mktemp("twin") / "dsv3", **KIMI_TEXT_DIMS)
+    return builders.build_tiny_deepseek_v3(tmp_path_factory.mktemp("twin") / "dsv3", **KIMI_TEXT_DIMS)
 
 
 def test_kimi_k25_files(built, kimi_text_twin):
@@ -202,7 +203,7 @@ def test_kimi_k25_files(built, kimi_text_twin):
     d = built["kimi"][0]
     assert target.remote_code_references(d) == []  # no auto_map anywhere
     raw = json.loads((d / "config.json").read_text())
-    assert raw["model_type"] == "kimi_k25" and raw["architectures"] == [targets.KIMI_K25_ARCHITECTURE]
+    assert raw["model_type"] == "kimi_k25" and raw["architectures"] == [kimi_k25.KIMI_K25_ARCHITECTURE]
     cfg = KimiK25Config.from_pretrained(str(d))  # vLLM's own config class parses it
     text, vision = cfg.text_config, cfg.vision_config
     assert isinstance(text, DeepseekV3Config) and text.model_type == "deepseek_v3"
@@ -232,21 +233,21 @@ def test_kimi_k25_files(built, kimi_text_twin):
 
 def test_kimi_k25_hf_reference(built, kimi_text_twin, tmp_path):
     d = built["kimi"][0]
-    model = targets.load_hf_model(d)
+    model = reference.load_hf_model(d)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert model.config._attn_implementation == "eager"
     ids = list(range(7, 47))
-    expected = targets.hf_hidden_states(kimi_text_twin, ids)
-    for got, want in zip(targets.hf_hidden_states(model, ids), expected, strict=True):
+    expected = reference.hf_hidden_states(kimi_text_twin, ids)
+    for got, want in zip(reference.hf_hidden_states(model, ids), expected, strict=True):
         assert torch.equal(got, want)
-    plain = targets.write_kimi_k25_language_model(d, tmp_path / "plain")
+    plain = kimi_k25.write_kimi_k25_language_model(d, tmp_path / "plain")
     cfg = json.loads((plain / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and "text_config" not in cfg
     assert (plain / "tokenizer.json").exists() and not (plain / "preprocessor_config.json").exists()
     twin = load_file(str(kimi_text_twin / WEIGHTS))
     written = load_file(str(plain / WEIGHTS))
     assert written.keys() == twin.keys() and all(torch.equal(written[k], twin[k]) for k in twin)
-    for got, want in zip(targets.hf_hidden_states(plain, ids), expected, strict=True):
+    for got, want in zip(reference.hf_hidden_states(plain, ids), expected, strict=True):
         assert torch.equal(got, want)
 
 
@@ -257,9 +258,9 @@ def test_kimi_k25_hf_reference(built, kimi_text_twin, tmp_path):
 def test_hf_hidden_states(built, tok, name, num_layers):
     d = built[name][0]
     ids = tok("import json\nprint(json.dumps({'a': [1, 2, 3]}))").input_ids
-    model = targets.load_hf_model(d)
+    model = reference.load_hf_model(d)
     assert model.config._attn_implementation == "eager"
-    hs = targets.hf_hidden_states(model, ids)
+    hs = reference.hf_hidden_states(model, ids)
     assert len(hs) == num_layers + 1
     for h in hs:
         assert h.shape == (len(ids), 256) and h.dtype == torch.float32

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.tiny import targets
+from draftline.tiny import tokenizer as tiny_tokenizer
 from draftline.tokenize import chat
 from draftline.errors import DataError
 from draftline.tokenize.conversations import DEFAULT_ROLES
@@ -19,10 +19,10 @@ QUIRKS = Path(__file__).parent / "assets" / "quirks.jsonl"
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A directory holding only a tiny BPE tokenizer (targets.build_tokenizer), no weights: the
+    """A directory holding only a tiny BPE tokenizer (tiny.tokenizer.build_tokenizer), no weights: the
     part of a target tokenize reads. Not conftest's ``model_dir`` (the whole tiny Llama)."""
     directory = tmp_path_factory.mktemp("tok") / "model"
-    targets.build_tokenizer(directory)
+    tiny_tokenizer.build_tokenizer(directory)
     return directory
 
 
@@ -225,7 +225,7 @@ def test_as_generated_keeps_the_embedded_runs_samples(tmp_path):
     """EXP=tiny and EXP=tiny-trained tokenize the embedded set with tiny-llama's tokenizer."""
     from draftline.tiny.embedded import write_conversations
 
-    targets.build_tokenizer(tmp_path / "tok")  # tiny-llama's: the default corpus
+    tiny_tokenizer.build_tokenizer(tmp_path / "tok")  # tiny-llama's: the default corpus
     data = tmp_path / "conversations.jsonl"
     write_conversations(data)
     template = run(tmp_path / "tok", data, budget=0, seq_length=512)

@@ -12,7 +12,7 @@ import json
 import pytest
 from chat_families import family_tokenizer
 
-from draftline.tiny import targets
+from draftline.tiny import tokenizer
 from draftline.tokenize.chat import encode_conversation
 from draftline.tokenize.windows import encode_windows
 from draftline.tokenize.conversations import DEFAULT_ROLES, normalize
@@ -90,7 +90,7 @@ CASES = {  # family, reply text, template arguments -> expected pieces
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return targets.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
+    return tokenizer.build_tokenizer(tmp_path_factory.mktemp("tok") / "base")
 
 
 @pytest.fixture(scope="module")

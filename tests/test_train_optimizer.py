@@ -107,7 +107,7 @@ def test_the_cuda_allowance_is_the_float32_coefficient():
 
 def built_draft_shapes(tmp_path) -> list[tuple[int, ...]]:
     """Trainable parameter shapes of the real draft over a tiny Llama (hidden 256)."""
-    from draftline.tiny import targets as tiny
+    from draftline.tiny import builders as tiny
     from draftline.train.draft import build_draft
 
     verifier = tiny.build_tiny_llama(tmp_path / "verifier", num_layers=6)

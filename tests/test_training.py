@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from draftline import formats
 from draftline.train.vllm_parse import check_vllm_parse
 from draftline.formats import load_split
-from draftline.tiny import targets as tiny
+from draftline.tiny import builders as tiny
 from draftline.train.dataset import ShardSampleDataset, make_loader
 from draftline.train.loader import PackedLoader
 from draftline.train.mapped import MappedShard
@@ -73,7 +73,7 @@ def _hidden_slots(model, ids: list[int]) -> torch.Tensor:
     """[T, 4, H]: inputs of the aux layers, then the final state after the final norm."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny.targets)
+    states = out.hidden_states  # L + 1 entries; entry L is post-norm (see draftline.tiny.reference)
     return torch.stack([states[i][0] for i in AUX_IDS] + [states[-1][0]], dim=1)
 
 

@@ -91,12 +91,12 @@ def ensure_assets(cfg) -> None:
 
         smollm2.build(model_dir, cfg.assets_dir)
     elif cfg.model.build and not (model_dir / "config.json").exists():
-        from draftline.tiny import targets
+        from draftline.tiny import builders, kimi_k25
 
-        builders = {"tiny_llama": targets.build_tiny_llama, "tiny_deepseek_v3": targets.build_tiny_deepseek_v3,
-                    "tiny_kimi_k25": targets.build_tiny_kimi_k25,
-                    "tiny_kimi_k25_thinking": functools.partial(targets.build_tiny_kimi_k25, chat="kimi")}
-        builders[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
+        build = {"tiny_llama": builders.build_tiny_llama, "tiny_deepseek_v3": builders.build_tiny_deepseek_v3,
+                 "tiny_kimi_k25": kimi_k25.build_tiny_kimi_k25,
+                 "tiny_kimi_k25_thinking": functools.partial(kimi_k25.build_tiny_kimi_k25, chat="kimi")}
+        build[cfg.model.build](model_dir, num_layers=int(cfg.model.num_layers))
     if cfg.data.build == "public_prompts":
         from draftline.public import assets
 

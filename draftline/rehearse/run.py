@@ -65,7 +65,7 @@ def miniature_check(cfg: DictConfig, plan: scope.Scope, out_dir: Path):
 def run(cfg: DictConfig) -> dict:
     """Every check in order (logged with PASS/FAIL and seconds); the manifest's fields."""
     from draftline.regenerate import greedy
-    from draftline.rehearse import miniature
+    from draftline.rehearse import reference
 
     out_dir, tokenize_dir = config.stage_dir(cfg, "rehearse"), config.stage_dir(cfg, "tokenize")
     tokenized = artifacts.read_manifest(tokenize_dir)
@@ -85,7 +85,7 @@ def run(cfg: DictConfig) -> dict:
     shards_dir.mkdir(parents=True)
     if "extraction" not in plan.skip:
         records["extraction"] = run.check("extraction vs HF", lambda: checks.extraction(
-            mini_cfg, samples, masks, shards_dir, miniature.load_reference(mini.path)))
+            mini_cfg, samples, masks, shards_dir, reference.load_reference(mini.path)))
     draft, k = build_draft(cfg, mini_cfg, out_dir / "draft")
     options = engine.engine_options(mini_cfg, mini_cfg.evaluate.vllm)
     new_tokens = int(cfg.rehearse.max_new_tokens)

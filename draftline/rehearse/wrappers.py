@@ -4,7 +4,7 @@ A wrapper is a text model (``text_config``, or for Qwen2.5-VL's published form t
 top-level keys) plus a vision tower (``vision_config``) and the projector that maps the tower's
 output into the text width. The miniature keeps all three:
 
-* the text model is shrunk by draftline.rehearse.miniature's text rules;
+* the text model is shrunk by draftline.rehearse.shrink's text rules;
 * the tower keeps its first and last layer and every layer one of its index lists names
   (``fullatt_block_indexes``, ``deepstack_visual_indexes``), those lists remapped as the text
   model's are; its widths become a few dozen; its output width (``out_hidden_size``) the text's;
@@ -30,7 +30,7 @@ from pathlib import Path
 MODALITIES = {"qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"),
               "qwen3_vl_moe": ("image", "video"), "llava": ("image",),
               "kimi_k25": ("vision_chunk",), "llama4": ("image",)}
-BUILT_HERE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")  # Kimi-K2.5, Llama 4: draftline.rehearse.miniature's own
+BUILT_HERE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")  # Kimi-K2.5, Llama 4: draftline.rehearse.shrink's and .weights' own
 # The tower's widths in the miniature (heads of 32: every tower's rotary and attention take it).
 VISION_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_attention_heads": 2}
 VISION_DEPTH = ("depth", "num_hidden_layers")  # the tower's layer count, by family
@@ -124,10 +124,10 @@ def _model_class(config: dict):
 
 def build(config: dict, seed: int):
     """transformers' wrapper model of the miniature's ``config``: random weights from ``seed``."""
-    from draftline.tiny import targets
+    from draftline.tiny.builders import seeded
 
     hf = _config(config)
-    with targets._seeded(seed):
+    with seeded(seed):
         model = _model_class(config)(hf)
     return model.eval()
 
