@@ -405,38 +405,38 @@ def train(data: TrainData, settings: TrainSettings, out_dir: str | Path, *,
     start-up and steady-state p50/p90/max, ``input_bound``;
     ``draftline.train.timing.StepClock.summary``).
     """
-    out, knobs = Path(out_dir), settings
-    numerics = resolve_precision(knobs.precision, knobs.device)
+    out = Path(out_dir)
+    numerics = resolve_precision(settings.precision, settings.device)
     d2t, t2d = load_vocab_mapping(data.vocab_mapping)
-    model = _fresh_draft(data.verifier_dir, data.aux_layer_ids, d2t, t2d, knobs.num_layers,
-                         knobs.ttt_steps, knobs.seed, knobs.method)
+    model = _fresh_draft(data.verifier_dir, data.aux_layer_ids, d2t, t2d, settings.num_layers,
+                         settings.ttt_steps, settings.seed, settings.method)
     train_set = ShardSampleDataset(data.shards, load_split(data.split_index, TRAIN))
-    tokens_per_rank = rank_tokens(knobs.max_tokens_per_step, world)
-    sampler = _sampler(train_set.lengths, tokens_per_rank, knobs.seed, world)
-    total = _total_steps(sampler, knobs.steps, knobs.epochs)
-    warmup = total // 100 if knobs.warmup_steps is None else knobs.warmup_steps
-    spec = _run_spec(data, out, total_steps=total, lr=knobs.lr, warmup_steps=warmup,
-                     ttt_steps=knobs.ttt_steps, ttt_step_loss_decay=knobs.ttt_step_loss_decay,
-                     seed=knobs.seed, num_layers=knobs.num_layers,
-                     max_tokens_per_step=knobs.max_tokens_per_step, precision=numerics.name,
-                     packing=PACKING, **({} if knobs.method == "eagle3" else {"method": knobs.method}))
-    session = make_session(model, knobs, warmup_steps=warmup, total_steps=total, world=world)
+    tokens_per_rank = rank_tokens(settings.max_tokens_per_step, world)
+    sampler = _sampler(train_set.lengths, tokens_per_rank, settings.seed, world)
+    total = _total_steps(sampler, settings.steps, settings.epochs)
+    warmup = total // 100 if settings.warmup_steps is None else settings.warmup_steps
+    spec = _run_spec(data, out, total_steps=total, lr=settings.lr, warmup_steps=warmup,
+                     ttt_steps=settings.ttt_steps, ttt_step_loss_decay=settings.ttt_step_loss_decay,
+                     seed=settings.seed, num_layers=settings.num_layers,
+                     max_tokens_per_step=settings.max_tokens_per_step, precision=numerics.name,
+                     packing=PACKING, **({} if settings.method == "eagle3" else {"method": settings.method}))
+    session = make_session(model, settings, warmup_steps=warmup, total_steps=total, world=world)
     log.info("optimizer: AdamW, %s implementation", session.optimizer_implementation)
     start, last = resume_checkpoint(out, spec, model, session.optimizer, session.scheduler,
-                                    knobs.device)
+                                    settings.device)
     stop = total if stop_after is None else max(start, min(total, stop_after))
     history, progress, timing = _loop(session, train_set, plan_steps(sampler, start, stop), out,
-                                      spec, start, stop, knobs)
+                                      spec, start, stop, settings)
     result = {**_summary(history, progress, start, stop, total, last), "timing": timing,
               "precision": numerics.name,
               "world_size": world.world_size, "packing": PACKING,
               "optimizer": {"name": "AdamW", "implementation": session.optimizer_implementation}}
     if stop < total:
         return result
-    result["validation"] = _validate(session, data, tokens_per_rank, knobs)
+    result["validation"] = _validate(session, data, tokens_per_rank, settings)
     if not world.is_main:
         return result
-    result["draft_dir"] = str(_save_draft(model, out, knobs.save_dtype))
-    result["vllm"], result["skipped"] = _vllm_check(knobs.check_vllm, result["draft_dir"],
+    result["draft_dir"] = str(_save_draft(model, out, settings.save_dtype))
+    result["vllm"], result["skipped"] = _vllm_check(settings.check_vllm, result["draft_dir"],
                                                     data.aux_layer_ids, d2t.numel())
     return result
