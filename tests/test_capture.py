@@ -8,7 +8,6 @@ import json
 import os
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -119,17 +118,22 @@ def test_a_writer_slower_than_the_forwards_is_waited_for_and_its_timeout_names_t
     """Risk 2: a slow disk. Without a bound the forwards wait for a free buffer (backpressure)
     and every shard is written; with one, the error says the writer, the shard and the storage,
     not a rank that hangs."""
+    done = [threading.Event() for _ in range(3)]  # shard i's write ends when done[i] is set
+
     def slow(path, tensors, metadata):
-        time.sleep(0.3)
+        done[int(Path(path).stem[-5:])].wait(10)
         formats.write_shard(Path(path), tensors, metadata)
 
     writer = new_writer(slow, buffers=1)
     for index in range(3):  # one buffer: each begin waits for the last write
+        if index:  # the last write ends 0.3 s from now, however long the steps above took
+            threading.Timer(0.3, done[index - 1].set).start()
         status = writer.begin(layout(tmp_path / f"shard-{index:05d}.safetensors", 4))
         assert index == 0 or status["waited_s"] > 0.1
         writer.place({f"r{index}": (0, 4)})
         step(writer, [(f"r{index}", 0, 4)], "bfloat16")
         writer.finish()
+    done[2].set()
     writer.flush()
     assert len(list(tmp_path.glob("shard-*.safetensors"))) == 3
 
