@@ -24,8 +24,8 @@ from draftline.pipeline.cuda import fork_safe_cuda_checks
 
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU platform: cores per TP rank, "0,1|2,3"
 KVCACHE = "VLLM_CPU_KVCACHE_SPACE"           # vLLM CPU platform: KV cache (GiB)
-EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
-PARALLEL_MASK_TOKEN = "ptd_token_id"  # draftline.train.parallel.MASK_TOKEN (engine sits below train)  # multiproc executor: one step's answer (s)
+EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"  # multiproc executor: one step's answer (s)
+PARALLEL_MASK_TOKEN = "ptd_token_id"  # draftline.train.parallel.MASK_TOKEN (engine sits below train)
 
 
 @dataclasses.dataclass(frozen=True)

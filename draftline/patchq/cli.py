@@ -64,7 +64,7 @@ def build_cli() -> typer.Typer:
 
 
 def _check_report(**kwargs) -> str:
-    """Format check_queue's report; any failure becomes a PatchFailed for the exit code."""
+    """Format check_queue's report; any failure becomes a PatchError for the exit code."""
     report = check_queue(**kwargs)
     lines = [f"{name}: {'ok' if why is None else 'fails: ' + why}" for name, why in report]
     print("\n".join(lines) if lines else "no patches")
