@@ -86,6 +86,41 @@ def test_the_walk_is_over_the_reply_window_not_the_samples_whole_mask():
     assert result["shared_steps"] == sum(len(s) for s in steps)
 
 
+class WrongAt:
+    """The target's tokens, except always a wrong one at chain position ``at``: no step
+    accepts more than ``at`` tokens, so the later positions are never reached."""
+
+    name = "wrong-at"
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def propose(self, s: offline.Sample, starts: torch.Tensor, k: int) -> torch.Tensor:
+        proposals = Oracle(0).propose(s, starts, k)
+        proposals[:, self.at] = -1
+        return proposals
+
+
+def test_positions_no_step_reached_do_not_read_as_disagreeing():
+    """k = 7 with every chain wrong at its third token: positions 4..7 have no rate in either
+    walk (NaN). vLLM measuring exactly the offline walk must agree; a real difference at a
+    reached position still must not."""
+    replies, k, proposer = flaky_replies(), 7, WrongAt(2)
+    steps = []
+    for s, a, b in replies:
+        mask = torch.zeros_like(s.loss_mask)
+        mask[a:b] = True
+        sim = offline.simulate(proposer, [dataclasses.replace(s, loss_mask=mask)], k)[0]
+        steps.append(sim.accepted[sim.steps].tolist())
+    assert max(max(s) for s in steps) == 2
+    result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), proposer, k, STATS)
+    acceptance = result["vllm"]["acceptance"]
+    assert acceptance[2] == 0 and all(rate != rate for rate in acceptance[3:])
+    assert result["agrees"], result["vllm_acceptance_inside_offline_ci"]
+    fewer = [[min(a, 1) for a in s] for s in steps]  # vLLM never accepting a second token
+    assert not in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, fewer), proposer, k, STATS)["agrees"]
+
+
 def test_empty_walks_and_proposals_stay_integer_tensors():
     nothing = offline.walk(torch.zeros(4, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 0]))
     assert nothing.tolist() == [] and nothing.dtype == torch.long

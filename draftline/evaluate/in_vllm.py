@@ -83,7 +83,10 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
     positions = [paired_difference(shared_counts, off_counts, f"p{j}", **stats)
                  for j in range(1, k + 1)]
     inside = off_result["tau_ci"][0] <= vllm_result["tau"] <= off_result["tau_ci"][1]
-    inside_by_position = [lo <= rate <= hi for rate, (lo, hi) in
+    # A position no vLLM step reached has no rate (NaN): nothing there to compare. Whether it
+    # was reached is the position before's rate (0 in vLLM), which is compared; a deep draft
+    # (k = 7) that never gets past position 4 must not read as disagreeing at 5, 6 and 7.
+    inside_by_position = [rate != rate or lo <= rate <= hi for rate, (lo, hi) in
                           zip(vllm_result["acceptance"], off_result["acceptance_ci"], strict=True)]
     totals = vllm_counts.at_least.sum(0)
     return {"replies": len(full), "text_mismatches": len(mismatches), "mismatched": mismatches,
