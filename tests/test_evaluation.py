@@ -106,12 +106,7 @@ def test_positions_no_step_reached_do_not_read_as_disagreeing():
     walk (NaN). vLLM measuring exactly the offline walk must agree; a real difference at a
     reached position still must not."""
     replies, k, proposer = flaky_replies(), 7, WrongAt(2)
-    steps = []
-    for s, a, b in replies:
-        mask = torch.zeros_like(s.loss_mask)
-        mask[a:b] = True
-        sim = offline.simulate(proposer, [dataclasses.replace(s, loss_mask=mask)], k)[0]
-        steps.append(sim.accepted[sim.steps].tolist())
+    steps = offline_steps(replies, k, proposer)
     assert max(max(s) for s in steps) == 2
     result = in_vllm.vllm_vs_offline(replies, as_vllm_measures(replies, steps), proposer, k, STATS)
     acceptance = result["vllm"]["acceptance"]
@@ -334,12 +329,14 @@ def as_vllm_measures(replies, accepted_per_reply) -> list[dict]:
             for (s, a, b), acc in zip(replies, accepted_per_reply, strict=True)]
 
 
-def offline_steps(replies, k: int) -> list[list[int]]:
+def offline_steps(replies, k: int, proposer=None) -> list[list[int]]:
+    """Each reply's accepted count per step of the offline walk (``Flaky`` by default)."""
+    proposer = Flaky() if proposer is None else proposer
     steps = []
     for s, a, b in replies:
         mask = torch.zeros_like(s.loss_mask)
         mask[a:b] = True
-        sim = offline.simulate(Flaky(), [dataclasses.replace(s, loss_mask=mask)], k)[0]
+        sim = offline.simulate(proposer, [dataclasses.replace(s, loss_mask=mask)], k)[0]
         steps.append(sim.accepted[sim.steps].tolist())
     return steps
 

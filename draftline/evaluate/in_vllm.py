@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def vllm_vs_offline(replies: Sequence[tuple[Sample, int, int]], measured: Sequen
     # A position no vLLM step reached has no rate (NaN): nothing there to compare. Whether it
     # was reached is the position before's rate (0 in vLLM), which is compared; a deep draft
     # (k = 7) that never gets past position 4 must not read as disagreeing at 5, 6 and 7.
-    inside_by_position = [rate != rate or lo <= rate <= hi for rate, (lo, hi) in
+    inside_by_position = [math.isnan(rate) or lo <= rate <= hi for rate, (lo, hi) in
                           zip(vllm_result["acceptance"], off_result["acceptance_ci"], strict=True)]
     totals = vllm_counts.at_least.sum(0)
     return {"replies": len(full), "text_mismatches": len(mismatches), "mismatched": mismatches,
